@@ -1,0 +1,49 @@
+# Two commands matter: `make demo` and `make test`. Both build .venv from nothing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export FLWR_TELEMETRY_ENABLED := 0
+export FLWR_DISABLE_UPDATE_CHECK := 1
+
+.PHONY: demo test lint format proto clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# torch first, pinned: the project's range would otherwise pull a multi-GB CUDA build.
+$(VENV)/.torch: $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/python -m examples.gpt_diloco.launch
+
+test: $(VENV)/.dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(VENV)/.dev
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+# Regenerate the committed gRPC stubs (grpcio-tools is pinned: newer stubs need protobuf 7).
+proto: $(VENV)/.dev
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
+		wire/proto/isthmus.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

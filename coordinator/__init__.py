@@ -1,0 +1,1 @@
+"""The isthmus coordinator: membership, rounds, aggregation and the outer step."""

@@ -1,0 +1,75 @@
+"""``coordinator``: serve a job, or show the status of a running one."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import grpc
+
+from coordinator.config import ConfigError, load_config
+from coordinator.store import StoreError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="coordinator", description="The isthmus coordinator.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="run the coordinator of a job")
+    serve.add_argument("--config", required=True, help="the job's TOML config file")
+    serve.add_argument("--listen", help="HOST:PORT to listen on (overrides server.listen)")
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    status = sub.add_parser("status", help="print the state of a running job")
+    status.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    return p
+
+
+def _serve(args) -> int:
+    from coordinator.server import CoordinatorServer  # torch import: only for serve
+
+    cfg = load_config(args.config)
+    server = CoordinatorServer(cfg, args.listen)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop())
+    return server.run()
+
+
+def _status(args) -> int:
+    from coordinator.status import format_status
+    from wire.grpc_options import channel_options
+    from wire.proto import isthmus_pb2 as pb
+    from wire.proto import isthmus_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(args.coordinator, options=channel_options()) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        try:
+            reply = stub.Status(pb.StatusRequest(), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(
+                f"coordinator: error: no answer from {args.coordinator} "
+                f"({exc.code().name}): is `coordinator serve` running there?",
+                file=sys.stderr,
+            )
+            return 1
+    print(format_status(reply))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return _serve(args) if args.command == "serve" else _status(args)
+    except (ConfigError, StoreError, OSError) as exc:
+        print(f"coordinator: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

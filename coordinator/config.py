@@ -1,0 +1,250 @@
+"""The job config: a TOML file loaded into dataclasses and checked before anything starts.
+
+Every error names the key that is wrong (``rounds.inner_steps: expected an integer > 0, got
+-1``), unknown keys are refused (a typo must not silently fall back to a default), and relative
+paths are taken from the config file's folder.
+
+Example::
+
+    [job]
+    name = "gpt-diloco"
+    state_dir = "state"
+
+    [model]
+    factory = "examples.gpt_diloco.model:build_model"   # or: path = "theta0.safetensors"
+    seed = 0
+    kwargs = { d_model = 128 }
+
+    [strategy]
+    name = "diloco"          # built-in, or "package.module:Class"
+    lr = 0.7
+    momentum = 0.9
+
+    [rounds]
+    total = 10
+    inner_steps = 50         # H
+    min_sites = 2
+    max_sites = 16
+    join_window_s = 5.0
+    deadline_s = 1800.0
+
+    [timeouts]
+    heartbeat_interval_s = 5.0
+    lease_ttl_s = 30.0
+
+    [server]
+    listen = "127.0.0.1:7070"
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    factory: str | None = None
+    path: Path | None = None
+    seed: int = 0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    name: str = "diloco"
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RoundsConfig:
+    total: int = 10
+    inner_steps: int = 50
+    min_sites: int = 1
+    max_sites: int = 64
+    join_window_s: float = 5.0
+    deadline_s: float = 1800.0
+
+
+@dataclass(frozen=True)
+class TimeoutsConfig:
+    heartbeat_interval_s: float = 5.0
+    lease_ttl_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = "127.0.0.1:7070"
+    max_update_bytes: int = 8 << 30
+    workers: int = 32
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str
+    state_dir: Path
+    model: ModelConfig
+    strategy: StrategyConfig
+    rounds: RoundsConfig
+    timeouts: TimeoutsConfig
+    server: ServerConfig
+    source_toml: bytes = b""
+
+
+class _Table:
+    """Reads typed keys out of one TOML table and remembers which keys were used."""
+
+    def __init__(self, data: Any, path: str) -> None:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a table, got {type(data).__name__}")
+        self.data = data
+        self.path = path
+        self.used: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def get(self, name: str, kind: type | tuple[type, ...], default: Any = ..., check=None) -> Any:
+        self.used.add(name)
+        if name not in self.data:
+            if default is ...:
+                raise ConfigError(f"{self.key(name)}: missing (required)")
+            return default
+        value = self.data[name]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, bool) and bool not in kinds:
+            raise ConfigError(f"{self.key(name)}: expected {_kind_name(kinds)}, got a boolean")
+        if not isinstance(value, kinds):
+            raise ConfigError(
+                f"{self.key(name)}: expected {_kind_name(kinds)}, got {type(value).__name__} "
+                f"{value!r}"
+            )
+        if check is not None:
+            problem = check(value)
+            if problem:
+                raise ConfigError(f"{self.key(name)}: {problem}, got {value!r}")
+        return value
+
+    def table(self, name: str) -> _Table:
+        self.used.add(name)
+        return _Table(self.data.get(name, {}), self.key(name))
+
+    def reject_unknown(self, allow_extra: bool = False) -> None:
+        if allow_extra:
+            return
+        unknown = sorted(set(self.data) - self.used)
+        if unknown:
+            raise ConfigError(f"{self.key(unknown[0])}: unknown key")
+
+
+def _kind_name(kinds: tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def _non_empty(v: str) -> str | None:
+    return None if v.strip() else "must not be empty"
+
+
+def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> JobConfig:
+    root = _Table(data, "")
+    job = root.table("job")
+    name = job.get("name", str, check=_non_empty)
+    state_dir = base_dir / job.get("state_dir", str, "state", check=_non_empty)
+    job.reject_unknown()
+
+    m = root.table("model")
+    factory = m.get("factory", str, None)
+    path = m.get("path", str, None)
+    if (factory is None) == (path is None):
+        raise ConfigError(
+            "model: set exactly one of model.factory ('module:function') or model.path"
+        )
+    if factory is not None and (":" not in factory or factory.startswith(":")):
+        raise ConfigError(f"model.factory: expected 'package.module:function', got {factory!r}")
+    model = ModelConfig(
+        factory=factory,
+        path=base_dir / path if path is not None else None,
+        seed=m.get("seed", int, 0),
+        kwargs=m.get("kwargs", dict, {}),
+    )
+    m.reject_unknown()
+
+    s = root.table("strategy")
+    strategy_name = s.get("name", str, "diloco", check=_non_empty)
+    params = {k: v for k, v in s.data.items() if k != "name"}
+    strategy = StrategyConfig(strategy_name, params)
+
+    r = root.table("rounds")
+    rounds = RoundsConfig(
+        total=r.get("total", int, check=_positive),
+        inner_steps=r.get("inner_steps", int, check=_positive),
+        min_sites=r.get("min_sites", int, 1, check=_positive),
+        max_sites=r.get("max_sites", int, 64, check=_positive),
+        join_window_s=r.get(
+            "join_window_s", float, 5.0, check=lambda v: None if v >= 0 else "must be >= 0"
+        ),
+        deadline_s=r.get("deadline_s", float, 1800.0, check=_positive),
+    )
+    r.reject_unknown()
+    if rounds.max_sites < rounds.min_sites:
+        raise ConfigError(
+            f"rounds.max_sites: must be >= rounds.min_sites ({rounds.min_sites}), "
+            f"got {rounds.max_sites}"
+        )
+
+    t = root.table("timeouts")
+    timeouts = TimeoutsConfig(
+        heartbeat_interval_s=t.get("heartbeat_interval_s", float, 5.0, check=_positive),
+        lease_ttl_s=t.get("lease_ttl_s", float, 30.0, check=_positive),
+    )
+    t.reject_unknown()
+    if not timeouts.heartbeat_interval_s < timeouts.lease_ttl_s < rounds.deadline_s:
+        raise ConfigError(
+            "timeouts: need heartbeat_interval_s < lease_ttl_s < rounds.deadline_s, got "
+            f"timeouts.heartbeat_interval_s={timeouts.heartbeat_interval_s}, "
+            f"timeouts.lease_ttl_s={timeouts.lease_ttl_s}, rounds.deadline_s={rounds.deadline_s}"
+        )
+
+    sv = root.table("server")
+    server = ServerConfig(
+        listen=sv.get("listen", str, "127.0.0.1:7070", check=_check_listen),
+        max_update_bytes=sv.get("max_update_bytes", int, 8 << 30, check=_positive),
+        workers=sv.get("workers", int, 32, check=_positive),
+    )
+    sv.reject_unknown()
+    root.reject_unknown()
+    return JobConfig(name, state_dir, model, strategy, rounds, timeouts, server, source)
+
+
+def _check_listen(v: str) -> str | None:
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        return "expected 'HOST:PORT' (e.g. '0.0.0.0:7070')"
+    return None
+
+
+def load_config(path: str | Path) -> JobConfig:
+    """Read and validate a job config file."""
+    path = Path(path)
+    try:
+        source = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read job config {path}: {exc.strerror}") from exc
+    try:
+        data = tomllib.loads(source.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    return parse_config(data, path.resolve().parent, source)

@@ -1,0 +1,128 @@
+"""Round decisions as pure functions of (clock, state, options).
+
+Three questions, each answered in one place:
+
+* who is in a round (``open_round``): the sites holding a live lease when it opens. A round waits
+  to open until ``min_sites`` are there, then ``join_window_s`` more for late starters;
+* whether an update counts (``admit_update``): only for the open round, from a participant, once;
+* when a round closes (``decide_close``): when every participant that still holds a lease has
+  delivered, or at the deadline if at least ``min_sites`` updates are in. Below quorum it keeps
+  waiting and says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class RoundOptions:
+    min_sites: int
+    max_sites: int
+    join_window_s: float
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """Round ``number``: ``opened_at`` is None while it waits for sites."""
+
+    number: int
+    opened_at: float | None = None
+    quorum_since: float | None = None
+    participants: frozenset[str] = frozenset()
+    received: dict[str, float] = field(default_factory=dict)
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    act: bool
+    reason: str
+
+
+class UpdateRefused(Exception):
+    """An update that must not count; ``code`` says which kind of refusal it is."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def open_round(now: float, state: RoundState, live: set[str], opts: RoundOptions) -> RoundState:
+    """Open a waiting round once enough sites hold leases; returns the (maybe) new state."""
+    if state.opened_at is not None:
+        return state
+    if len(live) < opts.min_sites:
+        return replace(state, quorum_since=None)
+    quorum_since = state.quorum_since if state.quorum_since is not None else now
+    if len(live) < opts.max_sites and now - quorum_since < opts.join_window_s:
+        return replace(state, quorum_since=quorum_since)
+    chosen = frozenset(sorted(live)[: opts.max_sites])
+    return replace(state, opened_at=now, quorum_since=quorum_since, participants=chosen)
+
+
+def waiting_reason(now: float, state: RoundState, live: set[str], opts: RoundOptions) -> str:
+    if state.opened_at is None:
+        if len(live) < opts.min_sites:
+            return f"waiting for sites: {len(live)} of min_sites={opts.min_sites} have joined"
+        left = opts.join_window_s - (now - (state.quorum_since or now))
+        return f"quorum reached; opening in {max(left, 0):.1f}s unless more sites join"
+    return decide_close(now, state, live, opts).reason
+
+
+def admit_update(state: RoundState, site: str, round_number: int) -> None:
+    """Raise ``UpdateRefused`` unless an update from ``site`` for ``round_number`` may count."""
+    if round_number < state.number or (round_number == state.number and state.closed):
+        raise UpdateRefused(
+            "late", f"round {round_number} is closed; the current round is {state.number}"
+        )
+    if round_number > state.number or state.opened_at is None:
+        raise UpdateRefused(
+            "early", f"round {round_number} is not open; the current round is {state.number}"
+        )
+    if site not in state.participants:
+        raise UpdateRefused(
+            "not_participant",
+            f"site {site!r} is not a participant of round {round_number} "
+            "(it joined after the round opened; it takes part from the next round)",
+        )
+    if site in state.received:
+        raise UpdateRefused(
+            "duplicate", f"site {site!r} already delivered its update for round {round_number}"
+        )
+
+
+def decide_close(now: float, state: RoundState, live: set[str], opts: RoundOptions) -> Decision:
+    """Whether the open round closes now, and why (or why not)."""
+    if state.opened_at is None or state.closed:
+        return Decision(False, "round not open")
+    got = len(state.received)
+    outstanding = sorted((state.participants & live) - state.received.keys())
+    if not outstanding and got >= opts.min_sites:
+        return Decision(True, f"all {got} live participants delivered")
+    if now >= state.opened_at + opts.deadline_s:
+        if got >= opts.min_sites:
+            return Decision(
+                True, f"deadline passed with {got} updates (min_sites={opts.min_sites})"
+            )
+        return Decision(
+            False,
+            f"deadline passed but only {got} of min_sites={opts.min_sites} updates arrived; "
+            f"waiting on {outstanding or 'new sites'}",
+        )
+    if not outstanding:
+        return Decision(
+            False, f"{got} of min_sites={opts.min_sites} updates and no live participant left"
+        )
+    return Decision(False, f"waiting on {len(outstanding)} site(s): {', '.join(outstanding)}")
+
+
+def record_update(state: RoundState, site: str, weight: float) -> RoundState:
+    return replace(state, received={**state.received, site: weight})
+
+
+def next_round(state: RoundState) -> RoundState:
+    """The round after ``state``. The join window only delays a job's first round: later
+    rounds open as soon as quorum holds."""
+    return RoundState(number=state.number + 1, quorum_since=float("-inf"))

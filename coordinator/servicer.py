@@ -1,0 +1,146 @@
+"""The gRPC face of the coordinator: protobuf in, core call, protobuf out.
+
+Every refusal becomes a gRPC status whose message names the problem; nothing here decides
+anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import grpc
+
+from coordinator.core import CoordinatorCore, Refused
+from coordinator.status import status_reply
+from wire.chunking import DEFAULT_CHUNK_BYTES, iter_chunks
+from wire.proto import isthmus_pb2 as pb
+from wire.proto import isthmus_pb2_grpc as pb_grpc
+
+log = logging.getLogger("isthmus.coordinator")
+
+STATUS_CODES = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "lease": grpc.StatusCode.ABORTED,
+    "late": grpc.StatusCode.FAILED_PRECONDITION,
+    "early": grpc.StatusCode.FAILED_PRECONDITION,
+    "not_participant": grpc.StatusCode.FAILED_PRECONDITION,
+    "duplicate": grpc.StatusCode.ALREADY_EXISTS,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "full": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "busy": grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def _refusals_to_status(method):
+    """Turn ``Refused`` into a gRPC error with the refusal's code and message."""
+
+    def abort(context, exc: Refused):
+        log.info("%s refused: %s", method.__name__, exc)
+        context.abort(STATUS_CODES.get(exc.code, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
+
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except Refused as exc:
+                abort(context, exc)
+
+        return stream
+
+    @functools.wraps(method)
+    def unary(self, request, context):
+        try:
+            return method(self, request, context)
+        except Refused as exc:
+            abort(context, exc)
+
+    return unary
+
+
+def lease_pb(lease, ttl_s: float) -> pb.Lease:
+    return pb.Lease(site=lease.site, lease_id=lease.token, token=lease.token, ttl_s=ttl_s)
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, core: CoordinatorCore, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.core = core
+        self.chunk_bytes = chunk_bytes
+        self.ttl_s = core.cfg.timeouts.lease_ttl_s
+
+    @_refusals_to_status
+    def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+        lease, info = self.core.join(request.site, request.capabilities.num_examples)
+        return pb.JoinReply(
+            lease=lease_pb(lease, self.ttl_s),
+            round=pb.RoundInfo(**info),
+            job_name=self.core.cfg.name,
+            job_config=self.core.cfg.source_toml,
+            heartbeat_interval_s=self.core.cfg.timeouts.heartbeat_interval_s,
+        )
+
+    @_refusals_to_status
+    def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+        p = request.progress
+        progress = {
+            "round": p.round,
+            "inner_step": p.inner_step,
+            "train_loss": p.train_loss,
+            "phase": p.phase,
+        }
+        lease, info = self.core.heartbeat(request.lease.site, request.lease.token, progress)
+        return pb.HeartbeatReply(lease=lease_pb(lease, self.ttl_s), round=pb.RoundInfo(**info))
+
+    @_refusals_to_status
+    def Fetch(self, request: pb.FetchRequest, context):
+        version = request.version if request.HasField("version") else None
+        pub = self.core.fetch(request.lease.site, request.lease.token, version, request.offset)
+        yield pb.FetchMessage(
+            header=pb.FetchHeader(
+                version=pub.version, theta_hash=pub.theta_hash, manifest=pub.manifest.to_proto()
+            )
+        )
+        for offset, data in iter_chunks(pub.payload, self.chunk_bytes, start=request.offset):
+            yield pb.FetchMessage(chunk=pb.Chunk(offset=offset, data=bytes(data)))
+            self.core.count_sent(len(data))
+
+    @_refusals_to_status
+    def Push(self, request_iterator, context) -> pb.PushReply:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise Refused("invalid", "a push stream starts with a PushHeader")
+        h = first.header
+        header = {
+            "round": h.round,
+            "upload_id": h.upload_id,
+            "manifest": h.manifest,
+            "weight": h.weight,
+            "base_version": h.base_version,
+            "data_unit": h.data_unit,
+        }
+        upload = self.core.begin_upload(h.lease.site, h.lease.token, header)
+        try:
+            for msg in request_iterator:
+                if msg.WhichOneof("kind") != "chunk":
+                    raise Refused("invalid", "a push stream carries one header, then only chunks")
+                self.core.upload_chunk(upload, msg.chunk.offset, msg.chunk.data)
+            if not self.core.finish_upload(upload, h.lease.token):
+                return pb.PushReply(
+                    complete=False,
+                    acked_offset=upload.received,
+                    message=f"{upload.received} of {upload.manifest.total_bytes} bytes received",
+                )
+            return pb.PushReply(complete=True, acked_offset=upload.received, message="counted")
+        finally:
+            self.core.uploads.release(upload)
+
+    @_refusals_to_status
+    def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
+        self.core.leave(request.lease.site, request.lease.token)
+        return pb.LeaveReply()
+
+    def Status(self, request: pb.StatusRequest, context) -> pb.StatusReply:
+        return status_reply(self.core)

@@ -1,0 +1,172 @@
+"""Durable coordinator state: atomic checkpoints after every outer step.
+
+A checkpoint is a folder ``checkpoints/round-NNNNNNNN`` holding ``theta.safetensors``,
+``strategy.safetensors`` and ``meta.json``. It is written under a temporary name, every file
+fsynced, the folder fsynced, renamed into place and the parent fsynced, and only then does
+``LATEST`` (itself replaced atomically) point at it. A crash at any instant leaves either the old
+or the new checkpoint whole. Loading verifies the state hash recorded in ``meta.json`` and falls
+back to the previous checkpoint if the newest is damaged. Tensors are stored with safetensors:
+loading never executes code.
+
+The start epoch (``epoch``) counts coordinator starts on this state folder; lease tokens carry it
+so that tokens granted before a crash are stale afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from wire.tensors import state_hash
+
+log = logging.getLogger(__name__)
+FORMAT = 1
+KEEP = 3
+
+
+class StoreError(RuntimeError):
+    """The state folder cannot be used; the message says which file and why."""
+
+
+@dataclass
+class Checkpoint:
+    round: int
+    theta: dict[str, torch.Tensor]
+    strategy_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that readers see the old or the new file, whole."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+
+
+class CheckpointStore:
+    """Checkpoints and the start epoch under one state folder."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.root = Path(state_dir)
+        self.dir = self.root / "checkpoints"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create state folder {self.dir}: {exc.strerror}") from exc
+        for stale in self.dir.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def next_epoch(self) -> int:
+        """Count this start and return its number (1 for the first start)."""
+        path = self.root / "epoch"
+        epoch = 0
+        if path.exists():
+            text = path.read_text().strip()
+            if not text.isdigit():
+                raise StoreError(f"{path} is damaged (expected a number, found {text[:40]!r})")
+            epoch = int(text)
+        epoch += 1
+        write_atomic(path, f"{epoch}\n".encode())
+        return epoch
+
+    def save(self, ckpt: Checkpoint) -> Path:
+        name = f"round-{ckpt.round:08d}"
+        final = self.dir / name
+        tmp = self.dir / f".tmp-{name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        theta = _contiguous(ckpt.theta)
+        meta = {
+            **ckpt.meta,
+            "format": FORMAT,
+            "round": ckpt.round,
+            "theta_sha256": state_hash(theta).hex(),
+            "written_at": time.time(),
+        }
+        save_file(theta, str(tmp / "theta.safetensors"))
+        save_file(_contiguous(ckpt.strategy_state), str(tmp / "strategy.safetensors"))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+        for f in tmp.iterdir():
+            fsync_file(f)
+        fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(self.dir)
+        write_atomic(self.dir / "LATEST", f"{name}\n".encode())
+        self._prune(keep_name=name)
+        return final
+
+    def _prune(self, keep_name: str) -> None:
+        done = sorted(p for p in self.dir.glob("round-*") if p.is_dir())
+        for old in done[:-KEEP]:
+            if old.name != keep_name:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def load_latest(self) -> Checkpoint | None:
+        """The newest checkpoint that verifies, or None for a new state folder."""
+        candidates = sorted((p for p in self.dir.glob("round-*") if p.is_dir()), reverse=True)
+        latest = self.dir / "LATEST"
+        if latest.exists():
+            named = self.dir / latest.read_text().strip()
+            if named in candidates:
+                candidates.remove(named)
+                candidates.insert(0, named)
+        problems = []
+        for path in candidates:
+            try:
+                return self._load(path)
+            except (StoreError, OSError, ValueError) as exc:
+                problems.append(f"{path.name}: {exc}")
+                log.error("checkpoint %s is unusable (%s); trying the one before", path, exc)
+        if problems:
+            raise StoreError(
+                "no usable checkpoint in " + str(self.dir) + ": " + "; ".join(problems)
+            )
+        return None
+
+    def _load(self, path: Path) -> Checkpoint:
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise StoreError(f"meta.json unreadable: {exc}") from exc
+        if meta.get("format") != FORMAT:
+            raise StoreError(f"unsupported checkpoint format {meta.get('format')!r}")
+        try:
+            theta = load_file(str(path / "theta.safetensors"))
+            strategy_state = load_file(str(path / "strategy.safetensors"))
+        except Exception as exc:  # safetensors raises its own error types for damaged files
+            raise StoreError(f"tensor file unreadable: {exc}") from exc
+        if state_hash(theta).hex() != meta.get("theta_sha256"):
+            raise StoreError("theta.safetensors does not match the hash in meta.json")
+        return Checkpoint(int(meta["round"]), theta, strategy_state, meta)

@@ -1,0 +1,147 @@
+"""Uploads in progress: chunks checked in order and written to the spool, resumable.
+
+An upload is keyed by (site, upload_id). When its stream breaks, what arrived stays in the
+spool's ``.part`` file and a new stream with the same upload id continues from the acknowledged
+offset (after a coordinator restart too: the SHA-256 state is rebuilt from the file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import torch
+
+from coordinator.spool import UpdateSpool
+from wire.chunking import Reassembler
+from wire.tensors import Manifest, PayloadError
+
+UPDATE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_update_manifest(
+    manifest: Manifest, theta: dict[str, torch.Tensor], trainable: list[str]
+) -> None:
+    """An update must carry exactly the trainable tensors of theta, with their shapes."""
+    names = manifest.by_name()
+    for name, e in names.items():
+        if name not in theta:
+            raise PayloadError(f"unknown tensor name {name!r} (not in the model)")
+        if name not in trainable:
+            raise PayloadError(f"tensor {name!r} is not trainable and must not be sent")
+        if tuple(theta[name].shape) != e.shape:
+            raise PayloadError(
+                f"tensor {name!r} has shape {list(e.shape)}, the model has "
+                f"{list(theta[name].shape)}"
+            )
+        if e.dtype not in UPDATE_DTYPES:
+            raise PayloadError(f"tensor {name!r} has dtype {e.dtype}; updates use {UPDATE_DTYPES}")
+    missing = [n for n in trainable if n not in names]
+    if missing:
+        raise PayloadError(f"update is missing tensor(s) {missing[:5]}")
+
+
+class Upload:
+    def __init__(
+        self,
+        spool: UpdateSpool,
+        site: str,
+        round_number: int,
+        upload_id: str,
+        manifest: Manifest,
+        weight: float,
+    ) -> None:
+        self.site, self.round, self.upload_id = site, round_number, upload_id
+        self.manifest, self.weight = manifest, weight
+        self.path: Path = spool.part_path(round_number, site, upload_id)
+        hasher = hashlib.sha256()
+        received = 0
+        if self.path.exists():
+            size = self.path.stat().st_size
+            if size > manifest.total_bytes:
+                self.path.unlink()
+            else:
+                with open(self.path, "rb") as f:
+                    while block := f.read(1 << 22):
+                        hasher.update(block)
+                received = size
+        self.file = spool.open_part(round_number, site, upload_id)
+        self.reassembler = Reassembler(
+            manifest.total_bytes, manifest.sha256, self.file, received, hasher
+        )
+        self.busy = False
+
+    @property
+    def received(self) -> int:
+        return self.reassembler.received
+
+    @property
+    def complete(self) -> bool:
+        return self.reassembler.complete
+
+    def add(self, offset: int, data: bytes) -> None:
+        self.reassembler.add(offset, data)
+
+    def verify(self) -> None:
+        self.file.flush()
+        self.reassembler.finish()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class UploadTable:
+    def __init__(self, spool: UpdateSpool) -> None:
+        self.spool = spool
+        self._lock = threading.Lock()
+        self._uploads: dict[tuple[str, str], Upload] = {}
+
+    def begin(
+        self, site: str, round_number: int, upload_id: str, manifest: Manifest, weight: float
+    ) -> Upload:
+        with self._lock:
+            key = (site, upload_id)
+            upload = self._uploads.get(key)
+            if upload is not None and (
+                upload.manifest.sha256 != manifest.sha256 or upload.round != round_number
+            ):
+                raise ValueError(f"upload id {upload_id!r} was already used for another payload")
+            if upload is not None and upload.busy:
+                raise ValueError(
+                    f"upload {upload_id!r} is already being received on another "
+                    "stream; retry shortly"
+                )
+            if upload is None:
+                for other in [u for k, u in self._uploads.items() if k[0] == site and not u.busy]:
+                    self._drop(other)  # a restarted site abandons its older uploads
+                upload = Upload(self.spool, site, round_number, upload_id, manifest, weight)
+                self._uploads[key] = upload
+            upload.busy = True
+            return upload
+
+    def release(self, upload: Upload) -> None:
+        with self._lock:
+            upload.busy = False
+            if not upload.file.closed:
+                upload.file.flush()
+
+    def forget(self, upload: Upload) -> None:
+        """The upload was committed: stop tracking it."""
+        with self._lock:
+            upload.close()
+            self._uploads.pop((upload.site, upload.upload_id), None)
+
+    def discard(self, upload: Upload) -> None:
+        """The upload is refused for good: delete its bytes."""
+        with self._lock:
+            self._drop(upload)
+
+    def _drop(self, upload: Upload) -> None:
+        upload.close()
+        self._uploads.pop((upload.site, upload.upload_id), None)
+        self.spool.discard_part(upload.round, upload.site, upload.upload_id)
+
+    def in_progress(self) -> int:
+        with self._lock:
+            return len(self._uploads)

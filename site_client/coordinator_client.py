@@ -1,0 +1,290 @@
+"""The site's connection to the coordinator: join, heartbeat, fetch theta, push an update.
+
+Every call retries transient failures (coordinator down or restarting, network cut) with
+exponential backoff and full jitter up to the policy's deadline, re-joins when its lease was
+fenced out (after a coordinator restart, or after it lapsed), and resumes transfers from the
+last acknowledged byte instead of starting them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from wire.backoff import BackoffPolicy, retry
+from wire.chunking import DEFAULT_CHUNK_BYTES, BufferSink, ChunkError, Reassembler, iter_chunks
+from wire.grpc_options import channel_options
+from wire.proto import isthmus_pb2 as pb
+from wire.proto import isthmus_pb2_grpc as pb_grpc
+from wire.tensors import Manifest, PayloadError, pack, state_hash, unpack
+
+log = logging.getLogger("isthmus.site")
+TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator refused a request for good; the message is its reason."""
+
+    def __init__(self, code: grpc.StatusCode | None, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class GlobalState:
+    version: int
+    theta: dict[str, torch.Tensor]
+    theta_hash: bytes
+
+
+def _code(exc: BaseException) -> grpc.StatusCode | None:
+    return exc.code() if isinstance(exc, grpc.RpcError) else None
+
+
+class CoordinatorClient:
+    def __init__(
+        self,
+        address: str,
+        site: str,
+        *,
+        backoff: BackoffPolicy | None = None,
+        num_examples: int = 0,
+        world_size: int = 1,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        rpc_timeout_s: float = 30.0,
+        transfer_timeout_s: float = 3600.0,
+        on_retry: Callable[[str, int, float, BaseException], None] | None = None,
+    ) -> None:
+        self.address = address
+        self.site = site
+        self.backoff = backoff or BackoffPolicy()
+        self.num_examples = num_examples
+        self.world_size = world_size
+        self.chunk_bytes = chunk_bytes
+        self.rpc_timeout_s = rpc_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.on_retry = on_retry
+        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.lease: pb.Lease | None = None
+        self.join_reply: pb.JoinReply | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- retry plumbing -------------------------------------------------------------------
+
+    def _call(self, describe: str, fn: Callable[[], object]):
+        """Run ``fn`` with backoff on transient errors; re-join when the lease was fenced."""
+
+        def attempt():
+            if self.lease is None and describe != "join":
+                self._join_once()
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.ABORTED and describe != "join":
+                    log.warning("%s: %s; re-joining", describe, exc.details())
+                    self.lease = None
+                raise
+
+        def retryable(exc: BaseException) -> bool:
+            # A chunk that fails its checks was damaged in flight or the stream broke: resend.
+            return isinstance(exc, ChunkError) or _code(exc) in TRANSIENT | {
+                grpc.StatusCode.ABORTED
+            }
+
+        def report(n: int, delay: float, exc: BaseException) -> None:
+            detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            log.info("%s failed (%s); retry %d in %.1fs", describe, detail, n + 1, delay)
+            if self.on_retry:
+                self.on_retry(describe, n, delay, exc)
+
+        try:
+            return retry(
+                attempt,
+                self.backoff,
+                retryable,
+                describe=f"{describe} to {self.address}",
+                on_retry=report,
+            )
+        except grpc.RpcError as exc:
+            raise CoordinatorError(exc.code(), f"{describe}: {exc.details()}") from exc
+
+    # ---- membership -----------------------------------------------------------------------
+
+    def _join_once(self) -> pb.JoinReply:
+        reply = self.stub.Join(
+            pb.JoinRequest(
+                site=self.site,
+                capabilities=pb.Capabilities(
+                    codecs=["none"], world_size=self.world_size, num_examples=self.num_examples
+                ),
+            ),
+            timeout=self.rpc_timeout_s,
+        )
+        self.lease, self.join_reply = reply.lease, reply
+        log.info(
+            "joined as %s (token %d) at round %d", self.site, reply.lease.token, reply.round.round
+        )
+        return reply
+
+    def join(self) -> pb.JoinReply:
+        return self._call("join", self._join_once)
+
+    def heartbeat(self, progress: pb.Progress | None = None) -> pb.HeartbeatReply:
+        return self._call(
+            "heartbeat",
+            lambda: self.stub.Heartbeat(
+                pb.HeartbeatRequest(lease=self.lease, progress=progress),
+                timeout=self.rpc_timeout_s,
+            ),
+        )
+
+    def leave(self, reason: str = "") -> None:
+        if self.lease is None:
+            return
+        try:
+            self.stub.Leave(
+                pb.LeaveRequest(lease=self.lease, reason=reason), timeout=self.rpc_timeout_s
+            )
+        except grpc.RpcError as exc:
+            log.info("leave: %s (ignored)", exc.details())
+        self.lease = None
+
+    def status(self) -> pb.StatusReply:
+        return self._call(
+            "status", lambda: self.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s)
+        )
+
+    # ---- theta downlink -------------------------------------------------------------------
+
+    def fetch(self, version: int | None = None) -> GlobalState:
+        """Download theta (the current version, or ``version``), resuming after breaks."""
+        state: dict = {"manifest": None, "sink": None, "asm": None, "hash": b"", "version": 0}
+
+        def attempt():
+            asm = state["asm"]
+            offset = asm.received if asm is not None else 0
+            req = pb.FetchRequest(lease=self.lease, offset=offset)
+            if version is not None:
+                req.version = version
+            elif state["manifest"] is not None:
+                req.version = state["version"]  # continue the same version we started
+            stream = self.stub.Fetch(req, timeout=self.transfer_timeout_s)
+            for msg in stream:
+                if msg.HasField("header"):
+                    manifest = Manifest.from_proto(msg.header.manifest)
+                    if state["manifest"] is None or state["manifest"].sha256 != manifest.sha256:
+                        sink = BufferSink(manifest.total_bytes)
+                        state.update(
+                            manifest=manifest,
+                            sink=sink,
+                            version=msg.header.version,
+                            hash=msg.header.theta_hash,
+                            asm=Reassembler(manifest.total_bytes, manifest.sha256, sink),
+                        )
+                        if offset:
+                            raise ChunkError("the coordinator moved to a new version; restarting")
+                    continue
+                state["asm"].add(msg.chunk.offset, msg.chunk.data)
+                self.bytes_received += len(msg.chunk.data)
+            state["asm"].finish()
+
+        try:
+            self._call("fetch", attempt)
+            theta = unpack(state["manifest"], state["sink"].buffer)
+        except (ChunkError, PayloadError) as exc:
+            raise CoordinatorError(None, f"fetch: bad payload from coordinator: {exc}") from exc
+        if state_hash(theta) != state["hash"]:
+            raise CoordinatorError(None, "fetch: theta does not match the coordinator's hash")
+        return GlobalState(state["version"], theta, state["hash"])
+
+    # ---- updates --------------------------------------------------------------------------
+
+    def push(
+        self,
+        round_number: int,
+        delta: dict[str, torch.Tensor],
+        *,
+        weight: float = 1.0,
+        base_version: int | None = None,
+        upload_id: str | None = None,
+        data_unit: str = "",
+    ) -> pb.PushReply:
+        """Send a pseudo-gradient for ``round_number``; resumes from the acknowledged offset.
+
+        An update the coordinator already counted (e.g. sent again after a coordinator
+        restart) is reported as delivered.
+        """
+        manifest, payload = pack(delta)
+        upload_id = upload_id or f"r{round_number}-{uuid.uuid4().hex[:16]}"
+        base = round_number if base_version is None else base_version
+        progress = {"acked": 0, "tries": 0}
+
+        def header() -> pb.PushMessage:
+            return pb.PushMessage(
+                header=pb.PushHeader(
+                    lease=self.lease,
+                    round=round_number,
+                    upload_id=upload_id,
+                    data_unit=data_unit,
+                    manifest=manifest.to_proto(),
+                    weight=weight,
+                    base_version=base,
+                )
+            )
+
+        def messages(start: int) -> Iterator[pb.PushMessage]:
+            yield header()
+            for offset, data in iter_chunks(payload, self.chunk_bytes, start=start):
+                yield pb.PushMessage(chunk=pb.Chunk(offset=offset, data=bytes(data)))
+                self.bytes_sent += len(data)
+
+        def attempt() -> pb.PushReply:
+            if progress["tries"]:
+                probe = self.stub.Push(iter([header()]), timeout=self.rpc_timeout_s)
+                progress["acked"] = probe.acked_offset
+            progress["tries"] += 1
+            reply = self.stub.Push(messages(progress["acked"]), timeout=self.transfer_timeout_s)
+            if not reply.complete:
+                progress["acked"] = reply.acked_offset
+                raise ChunkError(f"push incomplete: {reply.message}")
+            return reply
+
+        try:
+            return self._call("push", attempt)
+        except CoordinatorError as exc:
+            if exc.code == grpc.StatusCode.ALREADY_EXISTS:
+                return pb.PushReply(complete=True, message=f"already counted: {exc}")
+            raise
+
+    def wait_for_round(
+        self,
+        after: int,
+        progress: pb.Progress | None = None,
+        poll_s: float = 0.2,
+        sleep: Callable[[float], None] | None = None,
+    ) -> pb.RoundInfo:
+        """Heartbeat until the coordinator opens a round later than ``after`` (or finishes)."""
+        import time
+
+        sleep = sleep or time.sleep
+        while True:
+            info = self.heartbeat(progress).round
+            if info.finished or (info.round > after and info.participant):
+                return info
+            sleep(poll_s)

@@ -1,0 +1,37 @@
+"""FedAvg: the example-weighted mean of the sites' models.
+
+McMahan et al. (2017). With pseudo-gradients ``delta_i = theta_r - theta_i`` the weighted mean of
+site models is ``theta_r - sum_i n_i delta_i / sum_i n_i``; ``server_lr`` scales that step
+(1.0 is plain FedAvg).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strategies.base import Aggregate, Strategy, Tensors, apply_in_float32
+
+
+@dataclass(frozen=True)
+class FedAvgConfig:
+    server_lr: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.server_lr > 0:
+            raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
+
+
+class FedAvg(Strategy):
+    """Weighted federated averaging (weights = examples each site reported)."""
+
+    Config = FedAvgConfig
+
+    def __init__(self, config: FedAvgConfig | None = None) -> None:
+        super().__init__(config or FedAvgConfig())
+
+    def outer_step(self, theta: Tensors, aggregate: Aggregate) -> Tensors:
+        lr = self.config.server_lr
+        out = dict(theta)
+        for name, delta in aggregate.mean_delta.items():
+            out[name] = apply_in_float32(theta[name], lr * delta)
+        return out

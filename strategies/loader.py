@@ -1,0 +1,67 @@
+"""Building a strategy from the job config's ``[strategy]`` table.
+
+``name`` is a built-in (``fedavg``, ``diloco``) or ``package.module:ClassName`` for a strategy in
+the user's own code; every other key must be a field of that strategy's ``Config`` dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from strategies.base import Strategy, StrategyError
+from strategies.diloco import DiLoCo
+from strategies.fedavg import FedAvg
+
+BUILTINS: dict[str, type[Strategy]] = {"fedavg": FedAvg, "diloco": DiLoCo}
+
+
+def resolve_strategy_class(name: str) -> type[Strategy]:
+    if name in BUILTINS:
+        return BUILTINS[name]
+    if ":" not in name:
+        raise StrategyError(
+            f"unknown strategy {name!r}: use one of {sorted(BUILTINS)} or 'package.module:Class'"
+        )
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise StrategyError(f"strategy {name!r}: cannot import {module_name!r}: {exc}") from exc
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise StrategyError(f"strategy {name!r}: {attr!r} is not a Strategy subclass")
+    return cls
+
+
+def load_strategy(name: str, params: Mapping[str, Any]) -> Strategy:
+    """Instantiate strategy ``name`` with hyperparameters ``params``; errors name the key."""
+    cls = resolve_strategy_class(name)
+    config_cls = getattr(cls, "Config", None)
+    if config_cls is None or not dataclasses.is_dataclass(config_cls):
+        raise StrategyError(f"strategy {name!r} has no Config dataclass")
+    hints = typing.get_type_hints(config_cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in params.items():
+        if key not in hints:
+            raise StrategyError(
+                f"strategy.{key}: not a hyperparameter of {name!r} (known: {sorted(hints)})"
+            )
+        want = hints[key]
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        wrong_bool = want in (int, float) and isinstance(value, bool)
+        if wrong_bool or (isinstance(want, type) and not isinstance(value, want)):
+            raise StrategyError(
+                f"strategy.{key}: expected {getattr(want, '__name__', want)}, "
+                f"got {type(value).__name__} {value!r}"
+            )
+        kwargs[key] = value
+    try:
+        config = config_cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise StrategyError(f"strategy {name!r}: {exc}") from exc
+    return cls(config)

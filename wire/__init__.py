@@ -1,0 +1,1 @@
+"""What the coordinator and the site agents both speak: protocol, tensor payloads, retries."""

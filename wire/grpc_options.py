@@ -1,0 +1,38 @@
+"""gRPC channel and server settings for long rounds over a slow WAN.
+
+grpc's default 4 MiB receive limit rejects even one 4 MiB chunk, so both ends set their limits
+explicitly (a chunk plus its envelope, and a manifest for a model with many tensors). Keepalive
+pings keep NAT and load-balancer state alive through rounds that are silent for minutes, and
+BDP probing stays on: without it a long-RTT link loses most of its throughput.
+"""
+
+from __future__ import annotations
+
+MAX_MESSAGE_BYTES = 32 << 20
+
+_COMMON = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.bdp_probe", 1),
+]
+
+
+def channel_options() -> list[tuple[str, int]]:
+    return [
+        *_COMMON,
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.enable_retries", 0),
+    ]
+
+
+def server_options() -> list[tuple[str, int]]:
+    return [
+        *_COMMON,
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),
+    ]

@@ -1,0 +1,277 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "codec", "offset", "nbytes", "codec_meta")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CODEC_META_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    codec: str
+    offset: int
+    nbytes: int
+    codec_meta: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., codec_meta: _Optional[bytes] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("tensors", "total_bytes", "sha256")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    total_bytes: int
+    sha256: bytes
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("site", "lease_id", "token", "ttl_s")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    lease_id: int
+    token: int
+    ttl_s: float
+    def __init__(self, site: _Optional[str] = ..., lease_id: _Optional[int] = ..., token: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("codecs", "world_size", "num_examples")
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    codecs: _containers.RepeatedScalarFieldContainer[str]
+    world_size: int
+    num_examples: int
+    def __init__(self, codecs: _Optional[_Iterable[str]] = ..., world_size: _Optional[int] = ..., num_examples: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("site", "capabilities", "have_version", "have_hash")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAVE_HASH_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    capabilities: Capabilities
+    have_version: int
+    have_hash: bytes
+    def __init__(self, site: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., have_version: _Optional[int] = ..., have_hash: _Optional[bytes] = ...) -> None: ...
+
+class RoundInfo(_message.Message):
+    __slots__ = ("round", "version", "theta_hash", "inner_steps", "total_rounds", "finished", "participant")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    THETA_HASH_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANT_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    version: int
+    theta_hash: bytes
+    inner_steps: int
+    total_rounds: int
+    finished: bool
+    participant: bool
+    def __init__(self, round: _Optional[int] = ..., version: _Optional[int] = ..., theta_hash: _Optional[bytes] = ..., inner_steps: _Optional[int] = ..., total_rounds: _Optional[int] = ..., finished: _Optional[bool] = ..., participant: _Optional[bool] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("lease", "round", "job_name", "job_config", "heartbeat_interval_s")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    JOB_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    round: RoundInfo
+    job_name: str
+    job_config: bytes
+    heartbeat_interval_s: float
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., job_name: _Optional[str] = ..., job_config: _Optional[bytes] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("round", "inner_step", "train_loss", "phase")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    inner_step: int
+    train_loss: float
+    phase: str
+    def __init__(self, round: _Optional[int] = ..., inner_step: _Optional[int] = ..., train_loss: _Optional[float] = ..., phase: _Optional[str] = ...) -> None: ...
+
+class Command(_message.Message):
+    __slots__ = ("new_round", "cancel_unit", "drain")
+    NEW_ROUND_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_UNIT_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    new_round: RoundInfo
+    cancel_unit: str
+    drain: bool
+    def __init__(self, new_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., cancel_unit: _Optional[str] = ..., drain: _Optional[bool] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("lease", "progress")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    progress: Progress
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("lease", "round", "commands")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    round: RoundInfo
+    commands: _containers.RepeatedCompositeFieldContainer[Command]
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("lease", "version", "from_version", "offset")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    version: int
+    from_version: int
+    offset: int
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., version: _Optional[int] = ..., from_version: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class FetchHeader(_message.Message):
+    __slots__ = ("version", "from_version", "theta_hash", "manifest")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    THETA_HASH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    from_version: int
+    theta_hash: bytes
+    manifest: Manifest
+    def __init__(self, version: _Optional[int] = ..., from_version: _Optional[int] = ..., theta_hash: _Optional[bytes] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ...) -> None: ...
+
+class FetchMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: FetchHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[FetchHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("lease", "round", "upload_id", "data_unit", "manifest", "weight", "base_version")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_UNIT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    round: int
+    upload_id: str
+    data_unit: str
+    manifest: Manifest
+    weight: float
+    base_version: int
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[int] = ..., upload_id: _Optional[str] = ..., data_unit: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., weight: _Optional[float] = ..., base_version: _Optional[int] = ...) -> None: ...
+
+class PushMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("complete", "acked_offset", "message")
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    ACKED_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    complete: bool
+    acked_offset: int
+    message: str
+    def __init__(self, complete: _Optional[bool] = ..., acked_offset: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("lease", "reason")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    reason: str
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SiteStatus(_message.Message):
+    __slots__ = ("site", "state", "token", "lease_remaining_s", "last_heartbeat_age_s", "last_update_age_s", "last_round_pushed", "progress")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_UPDATE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    state: str
+    token: int
+    lease_remaining_s: float
+    last_heartbeat_age_s: float
+    last_update_age_s: float
+    last_round_pushed: int
+    progress: Progress
+    def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., last_update_age_s: _Optional[float] = ..., last_round_pushed: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out")
+    JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REASON_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    WAN_BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    WAN_BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    job_name: str
+    round: RoundInfo
+    sites: _containers.RepeatedCompositeFieldContainer[SiteStatus]
+    updates_received: int
+    updates_expected: int
+    round_age_s: float
+    waiting_reason: str
+    strategy: str
+    wan_bytes_in: int
+    wan_bytes_out: int
+    def __init__(self, job_name: _Optional[str] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., updates_received: _Optional[int] = ..., updates_expected: _Optional[int] = ..., round_age_s: _Optional[float] = ..., waiting_reason: _Optional[str] = ..., strategy: _Optional[str] = ..., wan_bytes_in: _Optional[int] = ..., wan_bytes_out: _Optional[int] = ...) -> None: ...

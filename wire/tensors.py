@@ -1,0 +1,216 @@
+"""Tensor payloads: many named tensors as one raw byte buffer described by a manifest.
+
+Nothing is pickled. A payload is the tensors' little-endian bytes laid end to end (each start
+aligned to 64 bytes so that it can be viewed in place), and the manifest says, per tensor, its
+name, dtype, shape, codec and byte range. Decoding checks every entry against the buffer before
+it reads a byte, so a hostile manifest cannot make the reader run off the end or alias tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from wire.proto import isthmus_pb2 as pb
+
+ALIGN = 64
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+CODECS = ("none",)
+MAX_TENSOR_NAME = 512
+MAX_TENSORS = 100_000
+
+
+class PayloadError(ValueError):
+    """A manifest or payload that cannot be decoded; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    codec: str = "none"
+    codec_meta: bytes = b""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Manifest:
+    entries: tuple[TensorEntry, ...]
+    total_bytes: int
+    sha256: bytes = field(default=b"")
+
+    def to_proto(self) -> pb.Manifest:
+        return pb.Manifest(
+            tensors=[
+                pb.TensorSpec(
+                    name=e.name,
+                    dtype=e.dtype,
+                    shape=list(e.shape),
+                    codec=e.codec,
+                    offset=e.offset,
+                    nbytes=e.nbytes,
+                    codec_meta=e.codec_meta,
+                )
+                for e in self.entries
+            ],
+            total_bytes=self.total_bytes,
+            sha256=self.sha256,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.Manifest, max_total_bytes: int | None = None) -> Manifest:
+        """Build and validate a manifest received from a peer."""
+        if len(msg.tensors) > MAX_TENSORS:
+            raise PayloadError(f"manifest lists {len(msg.tensors)} tensors, limit {MAX_TENSORS}")
+        if len(msg.sha256) != 32:
+            raise PayloadError(f"manifest sha256 must be 32 bytes, got {len(msg.sha256)}")
+        entries = tuple(
+            TensorEntry(
+                name=t.name,
+                dtype=t.dtype,
+                shape=tuple(int(d) for d in t.shape),
+                offset=int(t.offset),
+                nbytes=int(t.nbytes),
+                codec=t.codec,
+                codec_meta=bytes(t.codec_meta),
+            )
+            for t in msg.tensors
+        )
+        manifest = cls(entries, int(msg.total_bytes), bytes(msg.sha256))
+        validate_manifest(manifest, max_total_bytes)
+        return manifest
+
+    def by_name(self) -> dict[str, TensorEntry]:
+        return {e.name: e for e in self.entries}
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise PayloadError(f"dtype {dtype} cannot travel on the wire") from None
+
+
+def validate_manifest(manifest: Manifest, max_total_bytes: int | None = None) -> None:
+    """Check a manifest on its own: names, dtypes, shapes, codecs and non-overlapping ranges."""
+    if manifest.total_bytes < 0:
+        raise PayloadError("manifest total_bytes is negative")
+    if max_total_bytes is not None and manifest.total_bytes > max_total_bytes:
+        raise PayloadError(
+            f"payload of {manifest.total_bytes} bytes exceeds the limit of {max_total_bytes}"
+        )
+    seen: set[str] = set()
+    end_of_previous = 0
+    for e in sorted(manifest.entries, key=lambda e: e.offset):
+        if not e.name or len(e.name) > MAX_TENSOR_NAME or not e.name.isprintable():
+            raise PayloadError(f"tensor name {e.name[:60]!r} is empty, too long or unprintable")
+        if e.name in seen:
+            raise PayloadError(f"tensor {e.name!r} appears twice in the manifest")
+        seen.add(e.name)
+        if e.dtype not in DTYPES:
+            raise PayloadError(f"tensor {e.name!r} has unknown dtype {e.dtype!r}")
+        if e.codec not in CODECS:
+            raise PayloadError(f"tensor {e.name!r} uses unknown codec {e.codec!r}")
+        if any(d < 0 for d in e.shape) or len(e.shape) > 16:
+            raise PayloadError(f"tensor {e.name!r} has an invalid shape {list(e.shape)}")
+        itemsize = torch.empty((), dtype=DTYPES[e.dtype]).element_size()
+        if e.codec == "none" and e.nbytes != e.numel * itemsize:
+            raise PayloadError(
+                f"tensor {e.name!r}: {e.nbytes} bytes do not hold shape {list(e.shape)} "
+                f"of {e.dtype} ({e.numel * itemsize} bytes)"
+            )
+        if e.offset < end_of_previous:
+            raise PayloadError(f"tensor {e.name!r} overlaps the tensor before it")
+        if e.offset + e.nbytes > manifest.total_bytes:
+            raise PayloadError(
+                f"tensor {e.name!r} ends at byte {e.offset + e.nbytes}, "
+                f"past the payload's {manifest.total_bytes} bytes"
+            )
+        end_of_previous = e.offset + e.nbytes
+
+
+def pack(tensors: Mapping[str, torch.Tensor]) -> tuple[Manifest, memoryview]:
+    """Lay tensors out in one buffer; returns the manifest (with SHA-256) and the payload."""
+    entries = []
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        entries.append(TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+        offset = _aligned(offset + nbytes)
+    total = entries[-1].offset + entries[-1].nbytes if entries else 0
+    buf = torch.zeros(total, dtype=torch.uint8)
+    for e, t in zip(entries, tensors.values(), strict=True):
+        if e.nbytes:
+            src = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            buf[e.offset : e.offset + e.nbytes].copy_(src)
+    payload = memoryview(buf.numpy()).cast("B")
+    digest = hashlib.sha256(payload).digest()
+    return Manifest(tuple(entries), total, digest), payload
+
+
+def unpack(manifest: Manifest, payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Tensors from a verified payload. The tensors share memory with a writable payload."""
+    validate_manifest(manifest)
+    if len(payload) != manifest.total_bytes:
+        raise PayloadError(
+            f"payload has {len(payload)} bytes, the manifest says {manifest.total_bytes}"
+        )
+    if not isinstance(payload, bytearray | memoryview) or (
+        isinstance(payload, memoryview) and payload.readonly
+    ):
+        payload = bytearray(payload)
+    out: dict[str, torch.Tensor] = {}
+    for e in manifest.entries:
+        dtype = DTYPES[e.dtype]
+        if e.nbytes == 0:
+            out[e.name] = torch.empty(e.shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(payload, dtype=torch.uint8, count=e.nbytes, offset=e.offset)
+        out[e.name] = raw.view(dtype).reshape(e.shape)
+    return out
+
+
+def payload_sha256(payload: bytes | bytearray | memoryview) -> bytes:
+    return hashlib.sha256(payload).digest()
+
+
+def state_hash(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """SHA-256 of a model state: names, dtypes, shapes and exact bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(name.encode())
+        h.update(b"\0" + dtype_name(t.dtype).encode() + b"\0")
+        h.update(repr(tuple(t.shape)).encode())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.digest()
