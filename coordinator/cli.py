@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 import signal
 import sys
+from pathlib import Path
 
 import grpc
 
@@ -19,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the coordinator of a job")
     serve.add_argument("--config", required=True, help="the job's TOML config file")
     serve.add_argument("--listen", help="HOST:PORT to listen on (overrides server.listen)")
+    serve.add_argument("--state-dir", help="state folder (overrides job.state_dir)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     status = sub.add_parser("status", help="print the state of a running job")
     status.add_argument("--coordinator", required=True, metavar="HOST:PORT")
@@ -29,7 +33,12 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(args) -> int:
     from coordinator.server import CoordinatorServer  # torch import: only for serve
 
+    # Like `python -m`, make the working directory importable, so that model factories and
+    # strategy plugins in the user's own project (`mypkg.model:build`) can be named.
+    sys.path.insert(0, os.getcwd())
     cfg = load_config(args.config)
+    if args.state_dir:
+        cfg = dataclasses.replace(cfg, state_dir=Path(args.state_dir).absolute())
     server = CoordinatorServer(cfg, args.listen)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())

@@ -54,7 +54,9 @@ def open_round(now: float, state: RoundState, live: set[str], opts: RoundOptions
     if state.opened_at is not None:
         return state
     if len(live) < opts.min_sites:
-        return replace(state, quorum_since=None)
+        # A later round (quorum_since = -inf, see next_round) never waits for a join window.
+        keep = state.quorum_since if state.quorum_since == float("-inf") else None
+        return replace(state, quorum_since=keep)
     quorum_since = state.quorum_since if state.quorum_since is not None else now
     if len(live) < opts.max_sites and now - quorum_since < opts.join_window_s:
         return replace(state, quorum_since=quorum_since)
@@ -66,7 +68,8 @@ def waiting_reason(now: float, state: RoundState, live: set[str], opts: RoundOpt
     if state.opened_at is None:
         if len(live) < opts.min_sites:
             return f"waiting for sites: {len(live)} of min_sites={opts.min_sites} have joined"
-        left = opts.join_window_s - (now - (state.quorum_since or now))
+        since = state.quorum_since if state.quorum_since is not None else now
+        left = opts.join_window_s - (now - since)
         return f"quorum reached; opening in {max(left, 0):.1f}s unless more sites join"
     return decide_close(now, state, live, opts).reason
 

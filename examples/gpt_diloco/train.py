@@ -1,0 +1,85 @@
+"""One site's trainer for the example GPT: FSDP2 over the site's ranks, DiLoCo inner loop.
+
+Run it under the site agent, which starts one copy per rank::
+
+    siteclient start --coordinator HOST:PORT --site site-0 --nproc-per-node 2 \\
+        -- examples/gpt_diloco/train.py --site-index 0 --num-sites 3
+
+The model's shape comes from the job config (``[model] kwargs``), so it always matches theta.
+Each round it reports the validation loss of the global theta_r it starts from, trains H inner
+steps with AdamW on its own shard of the corpus, and hands the pseudo-gradient to the agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file by the launcher: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from examples.gpt_diloco.data import CorpusConfig, evaluate, load_corpus
+from examples.gpt_diloco.model import build_model, lm_loss, transformer_blocks
+from site_client.trainer import SiteSession
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--site-index", type=int, required=True)
+    p.add_argument("--num-sites", type=int, required=True)
+    p.add_argument("--batch-size", type=int, default=8, help="rows per site per inner step")
+    p.add_argument("--lr", type=float, default=2e-3, help="inner AdamW learning rate")
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--corpus-bytes", type=int, default=4 << 20)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="inner steps; 0 = per round")
+    args = p.parse_args(argv)
+    if not 0 <= args.site_index < args.num_sites:
+        p.error(f"--site-index must be in [0, {args.num_sites}), got {args.site_index}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    session = SiteSession(backend="gloo", checkpoint_every=args.checkpoint_every)
+    model_kwargs = session.job_config.get("model", {}).get("kwargs", {})
+    model = build_model(**model_kwargs)
+    mesh = init_device_mesh("cpu", (session.world_size,))
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    seq_len = model.config.seq_len
+    corpus = load_corpus(CorpusConfig(max_bytes=args.corpus_bytes, seq_len=seq_len))
+
+    for rnd in session.rounds(model, optimizer):
+        if rnd.start_step == 0:
+            val = evaluate(model, corpus, args.eval_batches, args.batch_size)
+            rnd.report(val_loss=val)
+        losses = []
+        for step in rnd.steps():
+            inputs, targets = corpus.site_batch(
+                args.site_index, args.num_sites, rnd.number, step,
+                session.rank, session.world_size, args.batch_size,
+            )
+            loss = lm_loss(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            rnd.loss = loss.item()
+            losses.append(rnd.loss)
+        if losses:
+            rnd.report(train_loss=sum(losses) / len(losses))
+
+    final = evaluate(model, corpus, args.eval_batches, args.batch_size)
+    session.report(round=session.final.round, val_loss=final, final=1)
+    session.close()
+
+
+if __name__ == "__main__":
+    main()

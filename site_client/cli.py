@@ -1,0 +1,145 @@
+"""``siteclient start``: the one process a site runs.
+
+::
+
+    siteclient start --coordinator HOST:PORT --site NAME [--nproc-per-node N ...torchrun flags]
+        -- SCRIPT [ARGS...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+USAGE_HINT = "see `siteclient start --help`"
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="siteclient", description="The isthmus site agent.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    s = sub.add_parser(
+        "start",
+        help="join a job and run this site's trainers",
+        usage="siteclient start --coordinator HOST:PORT --site NAME [options] "
+        "[torchrun launch flags] -- SCRIPT [ARGS...]",
+        epilog="Launch flags are torchrun's (--nproc-per-node, --nnodes, --node-rank, "
+        "--rdzv-backend, --rdzv-endpoint, --max-restarts (default 3 here), --log-dir, ...).",
+    )
+    s.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    s.add_argument("--site", required=True, help="this site's name in the job")
+    s.add_argument("--run-dir", help="site-local state: checkpoints, metrics (default runs/SITE)")
+    s.add_argument("--inner-steps", type=int, metavar="H",
+                   help="inner steps per round at this site (default: the job's H)")
+    s.add_argument("--connect-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="give up reaching the coordinator after this long (default 120)")
+    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    return p
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" not in argv:
+        raise UsageError("missing `-- SCRIPT [ARGS...]`: the training script to run")
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
+def _start(args, launch_flags: list[str], command: list[str]) -> int:
+    from site_client.agent import AgentConfig, SiteAgent, default_shm_dir
+    from site_client.coordinator_client import CoordinatorClient, CoordinatorError
+    from site_client.launcher import LaunchError, nproc_per_node, parse_launch_args, run_trainers
+    from wire.backoff import BackoffPolicy, DeadlineExceeded
+
+    try:
+        launch = parse_launch_args(launch_flags, command[0], command[1:])
+    except LaunchError as exc:
+        raise UsageError(f"{exc}") from exc
+    if nproc_per_node(launch) < 1:
+        raise UsageError(f"--nproc-per-node must be a number >= 1, got {launch.nproc_per_node!r}")
+    run_dir = Path(args.run_dir or Path("runs") / args.site).absolute()
+    cfg = AgentConfig(args.site, run_dir, default_shm_dir(args.site), args.inner_steps)
+    client = CoordinatorClient(
+        args.coordinator, args.site,
+        backoff=BackoffPolicy(initial_s=0.5, cap_s=10.0, deadline_s=args.connect_timeout),
+        world_size=nproc_per_node(launch),
+    )
+    agent = SiteAgent(cfg, client)
+    try:
+        agent.start()
+    except (CoordinatorError, DeadlineExceeded) as exc:
+        agent.stop(leave=False)
+        print(f"siteclient: error: cannot join the job at {args.coordinator}: {exc} "
+              "(is `coordinator serve` running there, and is --coordinator right?)",
+              file=sys.stderr)
+        return 1
+    os.environ.update(
+        ISTHMUS_AGENT_SOCKET=str(cfg.shm_dir / "agent.sock"),
+        ISTHMUS_RUN_DIR=str(run_dir),
+        ISTHMUS_SITE=args.site,
+    )
+    try:
+        run_trainers(launch)
+    except BaseException as exc:  # ChildFailedError, SignalException, KeyboardInterrupt
+        agent.stop(leave=True)
+        reason = agent.error or f"{type(exc).__name__}: {str(exc).strip().splitlines()[0:1]}"
+        print(f"siteclient: error: trainers of site {args.site} failed: {reason}",
+              file=sys.stderr)
+        return 1
+    error = agent.error
+    agent.stop(leave=True)
+    if error:
+        print(f"siteclient: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["start"] and "--" in argv:
+            ours, command = _split(argv)
+            args, launch_flags = _parser().parse_known_args(ours)
+        else:
+            args, launch_flags, command = _parser().parse_args(argv), [], []
+            if args.command == "start":
+                _split(argv)
+        if not command:
+            raise UsageError("missing SCRIPT after `--`")
+        if not Path(command[0]).is_file():
+            raise UsageError(f"training script {command[0]!r} not found")
+        if args.inner_steps is not None and args.inner_steps <= 0:
+            raise UsageError(f"--inner-steps must be > 0, got {args.inner_steps}")
+        unknown = [f for f in launch_flags if f.startswith("-")]
+        from torch.distributed.run import get_args_parser
+
+        known = {o for a in get_args_parser()._actions for o in a.option_strings}
+        bad = [f for f in unknown if f.split("=")[0] not in known]
+        if bad:
+            raise UsageError(f"unknown flag {bad[0]}")
+    except UsageError as exc:
+        print(f"siteclient: error: {exc} ({USAGE_HINT})", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return _start(args, launch_flags, command)
+    except UsageError as exc:
+        print(f"siteclient: error: {exc} ({USAGE_HINT})", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

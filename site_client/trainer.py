@@ -1,0 +1,243 @@
+"""The API a training script calls, inside a process started by ``siteclient start``.
+
+::
+
+    session = SiteSession()                      # every rank; joins the site's process group
+    model = build(); fully_shard(...); opt = AdamW(model.parameters())
+    for rnd in session.rounds(model, opt):       # theta_r is loaded into the model
+        for step in rnd.steps():                 # H inner steps (fewer after a restart)
+            loss = train_step(...)
+            rnd.loss = loss.item()               # shown in progress and `coordinator status`
+        # leaving the body hands the pseudo-gradient theta_r - theta_local to the agent
+    session.report(val_loss=...)                 # the final theta is loaded when rounds() ends
+
+All ranks take part in every call. Hand-off to the agent goes through safetensors files in
+shared memory, never pickle: rank 0 reads theta_r and the other ranks receive their shards from
+it (``broadcast_from_rank0``); for the update, the full state is gathered on rank 0 (CPU offload)
+and the difference written once. A per-shard hand-off can replace ``_gather_full`` and
+``_load_theta`` without changing this API.
+
+Site checkpoints (``torch.distributed.checkpoint``, inner optimiser included) are written when a
+round starts, every ``checkpoint_every`` inner steps, and when its steps are done, so a trainer
+restarted by the launcher resumes where it was, with any number of ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from site_client.checkpoint import (
+    latest_site_checkpoint,
+    load_site_checkpoint,
+    prune_site_checkpoints,
+    save_site_checkpoint,
+    site_checkpoint_path,
+)
+from site_client.local_ipc import IpcClient
+from wire.tensors import state_hash
+
+ENV_SOCKET = "ISTHMUS_AGENT_SOCKET"
+STEP_SLOTS = 1 << 20  # checkpoint sequence number = round * STEP_SLOTS + step
+
+
+class TrainerError(RuntimeError):
+    """The trainer cannot go on (no agent, theta mismatch, misuse of the API)."""
+
+
+@dataclass
+class RoundSpec:
+    round: int
+    version: int
+    inner_steps: int
+    total_rounds: int
+    finished: bool
+    theta_path: str = ""
+    theta_hash: str = ""
+
+
+class Round:
+    """One outer round as a training script sees it."""
+
+    def __init__(self, session: SiteSession, spec: RoundSpec, start_step: int, ckpt) -> None:
+        self.session = session
+        self.number = spec.round
+        self.inner_steps = spec.inner_steps
+        self.total_rounds = spec.total_rounds
+        self.start_step = start_step
+        self.completed_steps = start_step
+        self.loss = float("nan")
+        self.weight = float(spec.inner_steps)
+        self._ckpt = ckpt
+
+    def steps(self) -> Iterator[int]:
+        """Inner step numbers still to run in this round."""
+        for step in range(self.start_step, self.inner_steps):
+            yield step
+            self.completed_steps = step + 1
+            self.session._progress(self.number, self.completed_steps, self.loss)
+            every = self.session.checkpoint_every
+            if every and self.completed_steps % every == 0 and self.completed_steps < self.inner_steps:
+                self._ckpt(self.number, self.completed_steps)
+
+    def report(self, **metrics: float) -> None:
+        self.session.report(round=self.number, **metrics)
+
+
+class SiteSession:
+    def __init__(self, backend: str = "gloo", checkpoint_every: int = 0) -> None:
+        socket_path = os.environ.get(ENV_SOCKET)
+        if not socket_path:
+            raise TrainerError(
+                f"{ENV_SOCKET} is not set: start this script with `siteclient start ... -- SCRIPT`"
+            )
+        if not dist.is_initialized():
+            dist.init_process_group(backend)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.checkpoint_every = checkpoint_every
+        # Every rank says hello (to read the job config); only rank 0 drives the rounds.
+        channel = IpcClient(socket_path)
+        hello = channel.call("hello")
+        self.ipc = channel if self.rank == 0 else None
+        if self.ipc is None:
+            channel.close()
+        self.site = hello["site"]
+        self.run_dir = Path(hello["run_dir"])
+        self.shm_dir = Path(hello["shm_dir"])
+        self.job_config: dict = tomllib.loads(hello["job_config"]) if hello["job_config"] else {}
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        pid_dir = self.run_dir / "trainers"
+        pid_dir.mkdir(parents=True, exist_ok=True)
+        (pid_dir / f"rank-{self.rank}.pid").write_text(f"{os.getpid()}\n")
+        self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.final: RoundSpec | None = None
+
+    # ---- the round loop -------------------------------------------------------------------
+
+    def rounds(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[Round]:
+        resume = self._resume(model, optimizer)
+        after = resume[0] - 1 if resume else -1
+
+        def checkpoint(round_number: int, step: int) -> None:
+            path = site_checkpoint_path(self.ckpt_dir, round_number * STEP_SLOTS + step)
+            save_site_checkpoint(path, model, optimizer, {"round": round_number, "step": step})
+            if self.rank == 0:
+                prune_site_checkpoints(self.ckpt_dir, keep_last=2)
+            dist.barrier()
+
+        while True:
+            spec = self._wait_round(after)
+            if spec.finished:
+                self._load_theta(model, spec)
+                self.final = spec
+                return
+            if resume and resume[0] == spec.round and resume[1] > 0:
+                start = resume[1]
+                theta_r = load_file(spec.theta_path) if self.rank == 0 else {}
+            else:
+                start = 0
+                theta_r = self._load_theta(model, spec)
+                checkpoint(spec.round, 0)
+            resume = None
+            rnd = Round(self, spec, start, checkpoint)
+            yield rnd
+            if rnd.completed_steps < spec.inner_steps:
+                raise TrainerError(
+                    f"round {spec.round}: the loop over rnd.steps() stopped after "
+                    f"{rnd.completed_steps} of {spec.inner_steps} steps"
+                )
+            if start < spec.inner_steps:
+                checkpoint(spec.round, spec.inner_steps)
+            self._submit(model, spec, theta_r, rnd.weight)
+            after = spec.round
+
+    def report(self, **metrics: float) -> None:
+        """Send metrics (e.g. validation loss) to the agent's log and ``metrics.jsonl``."""
+        if self.ipc:
+            self.ipc.call("metrics", **metrics)
+
+    def close(self) -> None:
+        if self.ipc:
+            self.ipc.close()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    # ---- pieces ---------------------------------------------------------------------------
+
+    def _resume(self, model, optimizer) -> tuple[int, int] | None:
+        path = latest_site_checkpoint(self.ckpt_dir)
+        if path is None:
+            return None
+        extra = load_site_checkpoint(path, model, optimizer)
+        return int(extra["round"]), int(extra["step"])
+
+    def _wait_round(self, after: int) -> RoundSpec:
+        # Rank 0 polls the agent with a short timeout and tells the others each time, so no
+        # collective waits longer than a poll however long the round takes elsewhere.
+        while True:
+            reply = self.ipc.call("wait_round", after=after) if self.ipc else {}
+            flag = torch.tensor([1 if reply.get("ready") else 0], dtype=torch.int64)
+            dist.broadcast(flag, src=0)
+            if flag.item():
+                break
+        fields = torch.tensor(
+            [reply.get("round", 0), reply.get("version", 0), reply.get("inner_steps", 0),
+             reply.get("total_rounds", 0), int(bool(reply.get("finished")))],
+            dtype=torch.int64,
+        )
+        dist.broadcast(fields, src=0)
+        r, v, h, total, finished = (int(x) for x in fields.tolist())
+        return RoundSpec(r, v, h, total, bool(finished), reply.get("theta_path", ""),
+                         reply.get("theta_hash", ""))
+
+    def _load_theta(self, model, spec: RoundSpec) -> dict[str, torch.Tensor]:
+        """Load theta_r into the (sharded) model; returns theta_r on rank 0."""
+        theta_r = load_file(spec.theta_path) if self.rank == 0 else {}
+        to_load = load_file(spec.theta_path) if self.rank == 0 else {}
+        set_model_state_dict(
+            model, to_load, options=StateDictOptions(full_state_dict=True,
+                                                     broadcast_from_rank0=True)
+        )
+        full = self._gather_full(model)
+        if self.rank == 0 and state_hash(full).hex() != spec.theta_hash:
+            raise TrainerError(f"theta_{spec.version} loaded into the model does not match the "
+                               "coordinator's hash")
+        return theta_r
+
+    def _gather_full(self, model) -> dict[str, torch.Tensor]:
+        return get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+
+    def _submit(self, model, spec: RoundSpec, theta_r: dict, weight: float) -> None:
+        full = self._gather_full(model)
+        if self.rank == 0:
+            delta = {
+                k: theta_r[k].to(torch.float32) - v.to(torch.float32)
+                for k, v in full.items()
+                if v.is_floating_point()
+            }
+            path = self.shm_dir / f"delta-r{spec.round}-{self.restart_count}.safetensors"
+            tmp = path.with_suffix(".tmp")
+            save_file(delta, str(tmp))
+            os.replace(tmp, path)
+            self.ipc.call("submit", round=spec.round, path=str(path), weight=weight)
+        dist.barrier()
+
+    def _progress(self, round_number: int, step: int, loss: float) -> None:
+        if self.ipc:
+            self.ipc.call("progress", round=round_number, step=step,
+                          loss=loss if loss == loss else 0.0)
