@@ -166,13 +166,14 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
     job.reject_unknown()
 
     m = root.table("model")
-    factory = m.get("factory", str, None)
-    path = m.get("path", str, None)
+    factory = m.get("factory", str, None, check=_non_empty)
+    path = m.get("path", str, None, check=_non_empty)
     if (factory is None) == (path is None):
         raise ConfigError(
             "model: set exactly one of model.factory ('module:function') or model.path"
         )
-    if factory is not None and (":" not in factory or factory.startswith(":")):
+    module_name, _, function = (factory or "").partition(":")
+    if factory is not None and not (module_name.strip() and function.strip()):
         raise ConfigError(f"model.factory: expected 'package.module:function', got {factory!r}")
     model = ModelConfig(
         factory=factory,

@@ -83,8 +83,14 @@ class CheckpointStore:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create state folder {self.dir}: {exc.strerror}") from exc
-        for stale in self.dir.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        # Leftovers of writes cut short: checkpoint folders and write_atomic's temporary files.
+        for stale in [*self.dir.glob(".tmp-*"), *self.dir.glob(".*.tmp-*")]:
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+        for stale in self.root.glob(".epoch.tmp-*"):
+            stale.unlink(missing_ok=True)
 
     def next_epoch(self) -> int:
         """Count this start and return its number (1 for the first start)."""
@@ -106,15 +112,17 @@ class CheckpointStore:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         theta = _contiguous(ckpt.theta)
+        strategy_state = _contiguous(ckpt.strategy_state)
         meta = {
             **ckpt.meta,
             "format": FORMAT,
             "round": ckpt.round,
             "theta_sha256": state_hash(theta).hex(),
+            "strategy_sha256": state_hash(strategy_state).hex(),
             "written_at": time.time(),
         }
         save_file(theta, str(tmp / "theta.safetensors"))
-        save_file(_contiguous(ckpt.strategy_state), str(tmp / "strategy.safetensors"))
+        save_file(strategy_state, str(tmp / "strategy.safetensors"))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
         for f in tmp.iterdir():
             fsync_file(f)
@@ -160,6 +168,8 @@ class CheckpointStore:
             meta = json.loads((path / "meta.json").read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise StoreError(f"meta.json unreadable: {exc}") from exc
+        if not isinstance(meta, dict):
+            raise StoreError("meta.json is not a JSON object")
         if meta.get("format") != FORMAT:
             raise StoreError(f"unsupported checkpoint format {meta.get('format')!r}")
         try:
@@ -169,4 +179,10 @@ class CheckpointStore:
             raise StoreError(f"tensor file unreadable: {exc}") from exc
         if state_hash(theta).hex() != meta.get("theta_sha256"):
             raise StoreError("theta.safetensors does not match the hash in meta.json")
-        return Checkpoint(int(meta["round"]), theta, strategy_state, meta)
+        want = meta.get("strategy_sha256")
+        if want is not None and state_hash(strategy_state).hex() != want:
+            raise StoreError("strategy.safetensors does not match the hash in meta.json")
+        round_number = meta.get("round")
+        if not isinstance(round_number, int) or path.name != f"round-{round_number:08d}":
+            raise StoreError(f"meta.json names round {round_number!r}, the folder is {path.name}")
+        return Checkpoint(round_number, theta, strategy_state, meta)

@@ -79,7 +79,7 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         agent.start()
     except (CoordinatorError, DeadlineExceeded) as exc:
         agent.stop(leave=False)
-        print(f"siteclient: error: cannot join the job at {args.coordinator}: {exc} "
+        print(f"siteclient: error: cannot join the job at {args.coordinator}: {_one_line(exc)} "
               "(is `coordinator serve` running there, and is --coordinator right?)",
               file=sys.stderr)
         return 1
@@ -104,16 +104,27 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
     return 0
 
 
+def _one_line(exc: BaseException) -> str:
+    """A gRPC error's own words rather than its multi-line repr."""
+    import grpc
+
+    cause = exc.__cause__
+    if isinstance(cause, grpc.RpcError):
+        head = str(exc).split(":", 1)[0]
+        return f"{head}: {cause.code().name}: {cause.details()}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv[:1] == ["start"] and "--" in argv:
+        ours_part = argv[: argv.index("--")] if "--" in argv else argv
+        wants_help = any(a in ("-h", "--help") for a in ours_part)
+        if argv[:1] == ["start"] and not wants_help:
             ours, command = _split(argv)
             args, launch_flags = _parser().parse_known_args(ours)
         else:
             args, launch_flags, command = _parser().parse_args(argv), [], []
-            if args.command == "start":
-                _split(argv)
         if not command:
             raise UsageError("missing SCRIPT after `--`")
         if not Path(command[0]).is_file():

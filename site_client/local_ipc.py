@@ -69,7 +69,8 @@ class IpcServer:
         self._thread.start()
 
     def close(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for serve_forever, so only if it runs
+            self._server.shutdown()
         self._server.server_close()
         self.path.unlink(missing_ok=True)
 

@@ -46,6 +46,8 @@ from site_client.checkpoint import (
     save_site_checkpoint,
     site_checkpoint_path,
 )
+from site_client.faults import ENV as FAULTS_ENV
+from site_client.faults import fault_at, inject, parse_faults
 from site_client.local_ipc import IpcClient
 from wire.tensors import state_hash
 
@@ -88,6 +90,8 @@ class Round:
             yield step
             self.completed_steps = step + 1
             self.session._progress(self.number, self.completed_steps, self.loss)
+            inject(fault_at(self.session.faults, self.session.site, self.number,
+                            self.completed_steps, self.session.rank, self.session.restart_count))
             every = self.session.checkpoint_every
             if every and self.completed_steps % every == 0 and self.completed_steps < self.inner_steps:
                 self._ckpt(self.number, self.completed_steps)
@@ -118,11 +122,12 @@ class SiteSession:
         self.shm_dir = Path(hello["shm_dir"])
         self.job_config: dict = tomllib.loads(hello["job_config"]) if hello["job_config"] else {}
         self.ckpt_dir = self.run_dir / "checkpoints"
+        self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         pid_dir = self.run_dir / "trainers"
         pid_dir.mkdir(parents=True, exist_ok=True)
-        (pid_dir / f"rank-{self.rank}.pid").write_text(f"{os.getpid()}\n")
-        self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        (pid_dir / f"rank-{self.rank}.pid").write_text(f"{os.getpid()} {self.restart_count}\n")
         self.final: RoundSpec | None = None
+        self.faults = parse_faults(os.environ.get(FAULTS_ENV, ""))
 
     # ---- the round loop -------------------------------------------------------------------
 

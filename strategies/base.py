@@ -80,5 +80,6 @@ class Strategy(ABC):
 
 
 def apply_in_float32(theta: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """theta - step computed in float32 and returned in theta's dtype."""
-    return (theta.to(torch.float32) - step).to(theta.dtype)
+    """theta - step computed in float32 (float64 for float64 theta), returned in theta's dtype."""
+    compute = torch.promote_types(theta.dtype, torch.float32)
+    return (theta.to(compute) - step.to(compute)).to(theta.dtype)

@@ -64,4 +64,7 @@ def load_strategy(name: str, params: Mapping[str, Any]) -> Strategy:
         config = config_cls(**kwargs)
     except (ValueError, TypeError) as exc:
         raise StrategyError(f"strategy {name!r}: {exc}") from exc
-    return cls(config)
+    try:
+        return cls(config)
+    except Exception as exc:  # a plugin's own constructor, or an abstract method left out
+        raise StrategyError(f"strategy {name!r} failed to start: {exc}") from exc

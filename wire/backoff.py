@@ -61,7 +61,7 @@ def retry(
     while True:
         try:
             return fn()
-        except BaseException as exc:
+        except Exception as exc:
             if not retryable(exc):
                 raise
             delay = next_delay(policy, attempt, rng)

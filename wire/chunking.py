@@ -62,6 +62,10 @@ class Reassembler:
         received: int = 0,
         hasher: hashlib._Hash | None = None,
     ) -> None:
+        if not 0 <= received <= total_bytes:
+            raise ChunkError(f"resume offset {received} outside the {total_bytes}-byte payload")
+        if received and hasher is None:
+            raise ChunkError("resuming at a non-zero offset needs the hasher over those bytes")
         self.total_bytes = total_bytes
         self.expected_sha256 = sha256
         self.sink = sink
@@ -89,8 +93,9 @@ class Reassembler:
                 f"chunk at offset {offset} of {n} bytes runs past the declared "
                 f"{self.total_bytes}-byte payload"
             )
-        self._hasher.update(data)
+        # Written first: the hash then only ever covers bytes the sink accepted.
         self.sink.write(data)
+        self._hasher.update(data)
         self.received += n
 
     @property

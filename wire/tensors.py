@@ -87,8 +87,6 @@ class Manifest:
         """Build and validate a manifest received from a peer."""
         if len(msg.tensors) > MAX_TENSORS:
             raise PayloadError(f"manifest lists {len(msg.tensors)} tensors, limit {MAX_TENSORS}")
-        if len(msg.sha256) != 32:
-            raise PayloadError(f"manifest sha256 must be 32 bytes, got {len(msg.sha256)}")
         entries = tuple(
             TensorEntry(
                 name=t.name,
@@ -122,6 +120,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def validate_manifest(manifest: Manifest, max_total_bytes: int | None = None) -> None:
     """Check a manifest on its own: names, dtypes, shapes, codecs and non-overlapping ranges."""
+    if len(manifest.sha256) != 32:
+        raise PayloadError(f"manifest sha256 must be 32 bytes, got {len(manifest.sha256)}")
     if manifest.total_bytes < 0:
         raise PayloadError("manifest total_bytes is negative")
     if max_total_bytes is not None and manifest.total_bytes > max_total_bytes:
@@ -130,7 +130,8 @@ def validate_manifest(manifest: Manifest, max_total_bytes: int | None = None) ->
         )
     seen: set[str] = set()
     end_of_previous = 0
-    for e in sorted(manifest.entries, key=lambda e: e.offset):
+    # Empty tensors first at a shared offset: a 0-byte tensor may sit where the next one starts.
+    for e in sorted(manifest.entries, key=lambda e: (e.offset, e.nbytes)):
         if not e.name or len(e.name) > MAX_TENSOR_NAME or not e.name.isprintable():
             raise PayloadError(f"tensor name {e.name[:60]!r} is empty, too long or unprintable")
         if e.name in seen:

@@ -1,0 +1,375 @@
+"""Site-local checkpoints of FSDP2 trainers, written with ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint is a directory: DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files holding the
+model and inner-optimiser state (sharded, keyed by parameter name), plus our JSON manifest with
+the caller's ``extra`` values and a size and SHA-256 for every file. DCP reshards on load, so a
+checkpoint written by N trainer processes loads into any M, and also into a plain process with
+no process group: build the model and optimiser unwrapped and call :func:`load_site_checkpoint`
+without ``init_process_group``; DCP then reads every shard in that one process.
+
+Atomicity: all ranks write into ``.<name>.partial`` next to the target; once every rank is done,
+rank 0 writes the manifest, fsyncs, and renames the directory into place, then fsyncs the parent.
+A complete checkpoint is therefore a non-hidden directory with a manifest. Saving over an
+existing checkpoint moves the old one to ``.<name>.old`` only after the new one is complete (a
+crash between the two renames leaves both in hidden directories); naming every checkpoint
+uniquely with :func:`site_checkpoint_path` avoids that window entirely.
+
+All ranks of the site must call save and load together and see the same filesystem. ``extra``
+values must be the same on every rank: rank 0's are written.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.utils._pytree import tree_map_only
+
+MANIFEST = "isthmus_site_checkpoint.json"
+_FORMAT = "isthmus-site-checkpoint/1"
+Extra = dict[str, torch.Tensor | int | float]
+
+
+class SiteCheckpointError(RuntimeError):
+    """A site checkpoint is missing, incomplete or corrupt, or could not be written."""
+
+
+@dataclass(frozen=True)
+class SiteCheckpointConfig:
+    """Attributes
+    ----------
+    verify
+        Check every file's size and SHA-256 against the manifest before loading (the ranks
+        share the hashing); DCP itself detects no corruption.
+    fsync
+        fsync files and directories so a completed checkpoint survives a power loss.
+    """
+
+    verify: bool = True
+    fsync: bool = True
+
+
+def site_checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
+    """``directory/step-<step>``, zero-padded so names sort in step order."""
+    return Path(directory) / f"step-{step:010d}"
+
+
+def save_site_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: Extra | None = None,
+    *,
+    config: SiteCheckpointConfig | None = None,
+) -> Path:
+    """Write model, optimiser and ``extra`` to ``path`` atomically; collective over the site.
+
+    Raises
+    ------
+    TypeError
+        An ``extra`` value is not a tensor, int or float (nothing is written).
+    SiteCheckpointError
+        Writing failed on some rank; any previous checkpoint at ``path`` is untouched.
+    """
+    cfg = config or SiteCheckpointConfig()
+    path = Path(path).absolute()
+    encoded = {k: _encode(k, v) for k, v in (extra or {}).items()}
+    tmp = path.parent / f".{path.name}.partial"
+    _run_on_rank0(lambda: (shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True)), tmp)
+    state, fresh = _state_dict(model, optimizer)
+    try:
+        with _single_process_ok():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=cfg.fsync))
+    except (Exception, CheckpointException) as exc:
+        raise SiteCheckpointError(f"cannot write site checkpoint {path}: {_describe(exc)}") from exc
+    finally:
+        if fresh:
+            # Saving must not leave the fake step DCP used to build optimiser state behind.
+            optimizer.state.clear()
+    # Every rank lists the directory, so all must see every rank's files (and DCP's metadata).
+    _all_ok(True)
+    digests = _hash_files(tmp, sorted(_list_files(tmp)), cfg.fsync)
+    unreadable = [name for name, d in digests.items() if d["size"] < 0]
+    if unreadable:
+        raise SiteCheckpointError(f"cannot write site checkpoint {path}: {unreadable[0]} vanished")
+    manifest = {
+        "format": _FORMAT,
+        "world_size": _world(),
+        "has_optimizer": optimizer is not None,
+        "optimizer_initialised": not fresh,
+        "extra": encoded,
+        "files": digests,
+    }
+    _run_on_rank0(lambda: _publish(tmp, path, manifest, cfg.fsync), path)
+    return path
+
+
+def load_site_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    config: SiteCheckpointConfig | None = None,
+) -> Extra:
+    """Restore ``model`` (and ``optimizer``) from ``path`` and return the saved ``extra``.
+
+    The checkpoint is read into copies of this rank's state first (so a load needs memory for
+    a second copy of the rank's shard, on the state's device) and applied only once reading
+    succeeded: a failed load leaves the model and optimiser as they were.
+
+    Raises
+    ------
+    SiteCheckpointError
+        ``path`` is missing, incomplete or corrupt (the message names it).
+    """
+    cfg = config or SiteCheckpointConfig()
+    path = Path(path).absolute()
+    manifest, error = _read_manifest(path, want_optimizer=optimizer is not None)
+    if not _all_ok(not error):
+        raise SiteCheckpointError(f"cannot load site checkpoint {path}: {error or 'see rank 0'}")
+    if cfg.verify:
+        files = manifest["files"]
+        got = _hash_files(path, sorted(files), fsync=False)
+        bad = [n for n in sorted(files) if got[n] != files[n]]
+        if bad:
+            raise SiteCheckpointError(f"site checkpoint {path} is corrupt: {bad[0]} does not match")
+    state, fresh = _state_dict(model, optimizer)
+    staged = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
+    try:
+        with _single_process_ok():
+            dcp.load(staged, storage_reader=dcp.FileSystemReader(path))
+    except (Exception, CheckpointException) as exc:
+        if fresh:
+            optimizer.state.clear()
+        raise SiteCheckpointError(f"cannot load site checkpoint {path}: {_describe(exc)}") from exc
+    if optimizer is None:
+        set_model_state_dict(model, staged["model"])
+    else:
+        set_state_dict(
+            model, optimizer, model_state_dict=staged["model"], optim_state_dict=staged["optim"]
+        )
+        if not manifest["optimizer_initialised"]:
+            optimizer.state.clear()
+    return manifest["extra"]
+
+
+def latest_site_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The complete checkpoint in ``directory`` whose name sorts last (numbers numerically)."""
+    done = _complete(Path(directory))
+    return done[-1] if done else None
+
+
+def prune_site_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the ``keep_last`` newest complete checkpoints; call it on one rank only."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    doomed = _complete(Path(directory))[:-keep_last]
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed
+
+
+def _complete(root: Path) -> list[Path]:
+    """Complete checkpoints in ``root``, oldest first; temporaries are hidden, so skipped."""
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()]
+    return sorted(done, key=lambda p: _natural_key(p.name))
+
+
+def _read_manifest(path: Path, want_optimizer: bool) -> tuple[dict[str, Any], str]:
+    """The manifest at ``path`` and an empty string, or ``{}`` and what is wrong with it."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return {}, "no such checkpoint (missing, or never completed)"
+    except (OSError, ValueError) as exc:
+        return {}, f"unreadable manifest: {exc}"
+    keys = {"format", "has_optimizer", "optimizer_initialised", "extra", "files"}
+    if not isinstance(manifest, dict) or not keys <= manifest.keys():
+        return {}, f"unreadable manifest: expected an object with keys {sorted(keys)}"
+    if manifest["format"] != _FORMAT:
+        return {}, f"unknown format {manifest['format']!r}"
+    if want_optimizer and not manifest["has_optimizer"]:
+        return {}, "it holds no optimiser state"
+    try:
+        manifest["extra"] = {k: _decode(v) for k, v in manifest["extra"].items()}
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as exc:
+        return {}, f"unreadable extra values in manifest: {exc!r}"
+    return manifest, ""
+
+
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, bool]:
+    """DCP-ready state and whether ``optimizer`` had no state before DCP gave it some."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}, False
+    fresh = not optimizer.state
+    # get_state_dict builds missing optimiser state with a zero-lr step, but skips that silently
+    # when any parameter already has a gradient; hide the gradients meanwhile.
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    if fresh:
+        for p in params:
+            p.grad = None
+    try:
+        msd, osd = get_state_dict(model, optimizer)
+    finally:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+    return {"model": msd, "optim": osd}, fresh
+
+
+def _encode(key: str, value: Any) -> Any:
+    if not isinstance(key, str):
+        raise TypeError(f"extra keys must be str, got {key!r}")
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        dtype = str(t.dtype).removeprefix("torch.")
+        return {"dtype": dtype, "shape": list(t.shape), "b64": base64.b64encode(raw).decode()}
+    if isinstance(value, int | float):
+        return value
+    raise TypeError(f"extra[{key!r}] must be a tensor, int or float, got {type(value).__name__}")
+
+
+def _decode(value: Any) -> torch.Tensor | int | float:
+    if not isinstance(value, dict):
+        return value
+    dtype = getattr(torch, value["dtype"], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a dtype: {value['dtype']!r}")
+    raw = bytearray(base64.b64decode(value["b64"]))
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(value["shape"]).clone()
+
+
+def _list_files(root: Path) -> list[str]:
+    return [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+
+
+def _hash_files(root: Path, names: list[str], fsync: bool) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of ``names``; each rank hashes every world-th file and all share."""
+    rank, world = _rank(), _world()
+    table = torch.zeros(len(names), 33, dtype=torch.int64)  # 32 digest bytes, then the size
+    for i in range(rank, len(names), world):
+        try:
+            with open(root / names[i], "rb") as f:
+                table[i, :32] = torch.tensor(list(hashlib.file_digest(f, "sha256").digest()))
+                table[i, 32] = os.fstat(f.fileno()).st_size
+                if fsync:
+                    os.fsync(f.fileno())
+        except OSError:
+            table[i] = 0
+            table[i, 32] = -1
+    if dist.is_initialized():
+        table = table.to(_device())
+        dist.all_reduce(table)  # every other rank left this rank's rows at zero
+        table = table.cpu()
+    return {
+        name: {"size": row[32], "sha256": bytes(row[:32]).hex() if row[32] >= 0 else "missing"}
+        for name, row in zip(names, table.tolist(), strict=True)
+    }
+
+
+def _publish(tmp: Path, path: Path, manifest: dict, fsync: bool) -> None:
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    if fsync:
+        _fsync_dir(tmp)
+    aside = path.parent / f".{path.name}.old"
+    if path.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(path, aside)
+    os.rename(tmp, path)
+    if fsync:
+        _fsync_dir(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _natural_key(name: str) -> list[tuple[int, int | str]]:
+    return [(0, int(s)) if s.isdigit() else (1, s) for s in re.split(r"(\d+)", name) if s]
+
+
+def _describe(exc: BaseException) -> str:
+    # CheckpointException derives from BaseException and renders every rank's traceback;
+    # name the first failure instead.
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (first, _) = next(iter(sorted(exc.failures.items())))
+        return f"rank {rank}: {type(first).__name__}: {first}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    # Without a process group DCP warns that it assumes one process, which is what we mean.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _device() -> torch.device:
+    # NCCL only reduces CUDA tensors; every other backend here takes CPU ones.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_ok(ok: bool) -> bool:
+    """True on every rank when ``ok`` is true on every rank; doubles as a barrier."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], device=_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _run_on_rank0(fn, where: Path) -> None:
+    """Run ``fn`` on rank 0 and make every rank raise if it failed."""
+    error = None
+    if _rank() == 0:
+        try:
+            fn()
+        except Exception as exc:
+            error = exc
+    if not _all_ok(error is None):
+        why = _describe(error) if error else "failed on rank 0"
+        raise SiteCheckpointError(f"cannot write site checkpoint {where}: {why}") from error

@@ -1,0 +1,410 @@
+"""Tensor manifests (wire/tensors.py) and chunked transfer (wire/chunking.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wire.chunking import (
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    BufferSink,
+    ChunkError,
+    Reassembler,
+    iter_chunks,
+)
+from wire.tensors import (
+    ALIGN,
+    Manifest,
+    PayloadError,
+    pack,
+    state_hash,
+    unpack,
+    validate_manifest,
+)
+
+
+def _sample_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "f32": torch.randn(3, 7, generator=g),
+        "bf16": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(11, generator=g).to(torch.float16),
+        "i64": torch.randint(-(2**40), 2**40, (2, 3, 5), generator=g, dtype=torch.int64),
+        "scalar": torch.tensor(-2.5),
+        "empty": torch.empty(0, 4),
+        "odd_u8": torch.randint(0, 255, (13,), generator=g, dtype=torch.uint8),
+        "flags": torch.tensor([True, False, True]),
+        "after_odd": torch.randn(3, generator=g, dtype=torch.float64),
+    }
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert a[name].shape == b[name].shape, name
+        # Bitwise: compare the raw bytes, so that -0.0 / NaN payloads would also be caught.
+        assert torch.equal(
+            a[name].reshape(-1).view(torch.uint8), b[name].reshape(-1).view(torch.uint8)
+        )
+
+
+# ---- pack / unpack ------------------------------------------------------------------------
+
+
+def test_pack_unpack_round_trip_exact():
+    tensors = _sample_tensors()
+    manifest, payload = pack(tensors)
+    assert manifest.total_bytes == len(payload)
+    assert manifest.sha256 == hashlib.sha256(bytes(payload)).digest()
+    for e in manifest.entries:
+        assert e.offset % ALIGN == 0
+    _assert_same(tensors, unpack(manifest, bytes(payload)))
+    _assert_same(tensors, unpack(manifest, payload))
+
+
+def test_pack_layout_and_nbytes():
+    tensors = {"a": torch.zeros(3, dtype=torch.float16), "b": torch.zeros((), dtype=torch.int64)}
+    manifest, _ = pack(tensors)
+    a, b = manifest.entries
+    assert (a.name, a.dtype, a.shape, a.offset, a.nbytes) == ("a", "float16", (3,), 0, 6)
+    assert (b.name, b.dtype, b.shape, b.offset, b.nbytes) == ("b", "int64", (), 64, 8)
+    assert manifest.total_bytes == 72
+
+
+def test_pack_non_contiguous_tensors():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensors = {"t": base.t(), "s": base[:, ::2]}
+    manifest, payload = pack(tensors)
+    out = unpack(manifest, bytes(payload))
+    assert torch.equal(out["t"], base.t())
+    assert torch.equal(out["s"], base[:, ::2])
+
+
+def test_pack_empty_state_and_only_empty_tensors():
+    manifest, payload = pack({})
+    assert manifest.total_bytes == 0 and len(payload) == 0
+    assert unpack(manifest, b"") == {}
+    manifest, payload = pack({"e": torch.empty(0, 3, dtype=torch.bfloat16)})
+    out = unpack(manifest, bytes(payload))
+    assert out["e"].shape == (0, 3) and out["e"].dtype == torch.bfloat16
+
+
+def test_unpack_rejects_wrong_payload_length():
+    manifest, payload = pack({"a": torch.ones(4)})
+    with pytest.raises(PayloadError, match="payload has 15 bytes"):
+        unpack(manifest, bytes(payload)[:-1])
+
+
+def test_unpack_does_not_write_through_to_readonly_payload():
+    manifest, payload = pack({"a": torch.ones(4)})
+    frozen = bytes(payload)
+    out = unpack(manifest, frozen)
+    out["a"].add_(1)
+    assert frozen == bytes(payload)
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8]
+
+
+@st.composite
+def _states(draw):
+    n = draw(st.integers(0, 5))
+    out = {}
+    for i in range(n):
+        shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=3)))
+        dtype = draw(st.sampled_from(_DTYPES))
+        seed = draw(st.integers(0, 2**31 - 1))
+        g = torch.Generator().manual_seed(seed)
+        if dtype.is_floating_point:
+            t = torch.randn(shape, generator=g).to(dtype)
+        else:
+            t = torch.randint(0, 100, shape, generator=g).to(dtype)
+        out[f"t{i}.{draw(st.text('abcxyz._', max_size=6))}"] = t
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_states())
+def test_pack_unpack_property(tensors):
+    manifest, payload = pack(tensors)
+    validate_manifest(manifest)
+    again = Manifest.from_proto(manifest.to_proto())
+    assert again == manifest
+    _assert_same(tensors, unpack(again, bytes(payload)))
+
+
+# ---- manifests ----------------------------------------------------------------------------
+
+
+def test_manifest_proto_round_trip():
+    manifest, _ = pack(_sample_tensors())
+    msg = manifest.to_proto()
+    wire_bytes = msg.SerializeToString()
+    parsed = type(msg).FromString(wire_bytes)
+    again = Manifest.from_proto(parsed)
+    assert again == manifest
+    assert again.by_name()["bf16"].dtype == "bfloat16"
+    assert again.by_name()["scalar"].shape == ()
+
+
+def test_from_proto_enforces_size_limit():
+    manifest, _ = pack({"a": torch.ones(100)})
+    with pytest.raises(PayloadError, match="exceeds the limit"):
+        Manifest.from_proto(manifest.to_proto(), max_total_bytes=100)
+
+
+def _good_manifest() -> Manifest:
+    manifest, _ = pack({"a": torch.ones(2, 3), "b": torch.ones(5, dtype=torch.int64)})
+    return manifest
+
+
+def _with_entry(manifest: Manifest, i: int, **changes) -> Manifest:
+    entries = list(manifest.entries)
+    entries[i] = replace(entries[i], **changes)
+    return replace(manifest, entries=tuple(entries))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda m: _with_entry(m, 0, dtype="complex64"), "unknown dtype 'complex64'"),
+        (lambda m: _with_entry(m, 1, codec="zstd"), "unknown codec 'zstd'"),
+        (lambda m: _with_entry(m, 1, offset=16), "'b' overlaps"),
+        (lambda m: _with_entry(m, 1, offset=m.total_bytes), "past the payload"),
+        (lambda m: replace(m, total_bytes=m.total_bytes - 1), "past the payload"),
+        (lambda m: _with_entry(m, 0, nbytes=20), "do not hold shape"),
+        (lambda m: _with_entry(m, 0, shape=(3, 3)), "do not hold shape"),
+        (lambda m: _with_entry(m, 0, shape=(-2, -3)), "invalid shape"),
+        (lambda m: _with_entry(m, 1, name="a"), "appears twice"),
+        (lambda m: _with_entry(m, 0, name=""), "empty, too long or unprintable"),
+        (lambda m: _with_entry(m, 0, name="a\nb"), "unprintable"),
+        (lambda m: replace(m, sha256=b"\0" * 31), "sha256 must be 32 bytes"),
+        (lambda m: replace(m, sha256=b""), "sha256 must be 32 bytes"),
+        (lambda m: replace(m, total_bytes=-1), "negative"),
+    ],
+)
+def test_validate_manifest_refuses(mutate, message):
+    good = _good_manifest()
+    validate_manifest(good)
+    bad = mutate(good)
+    with pytest.raises(PayloadError, match=message):
+        validate_manifest(bad)
+    if bad.total_bytes >= 0:  # (a negative size cannot even be encoded: uint64)
+        # A peer's manifest goes through the same checks.
+        with pytest.raises(PayloadError, match=message):
+            Manifest.from_proto(bad.to_proto())
+
+
+def test_validate_accepts_empty_tensor_sharing_an_offset_in_any_order():
+    # pack puts a 0-byte tensor at the offset where the next tensor starts; a peer may list
+    # the entries in another order.
+    manifest, payload = pack({"e": torch.empty(0), "x": torch.ones(3)})
+    assert manifest.entries[0].offset == manifest.entries[1].offset
+    swapped = replace(manifest, entries=tuple(reversed(manifest.entries)))
+    validate_manifest(swapped)
+    out = unpack(swapped, bytes(payload))
+    assert torch.equal(out["x"], torch.ones(3)) and out["e"].numel() == 0
+
+
+def test_unpack_validates_hostile_manifest_before_reading():
+    manifest, payload = pack({"a": torch.ones(4)})
+    hostile = _with_entry(manifest, 0, shape=(1000,), nbytes=4000)
+    with pytest.raises(PayloadError):
+        unpack(hostile, bytes(payload))
+
+
+# ---- state_hash ---------------------------------------------------------------------------
+
+
+def test_state_hash_equal_for_equal_states():
+    a = _sample_tensors()
+    b = {k: v.clone() for k, v in reversed(list(a.items()))}
+    assert state_hash(a) == state_hash(b)
+    assert len(state_hash(a)) == 32
+
+
+def test_state_hash_changes_with_one_element_dtype_shape_or_name():
+    base = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.zeros(4)}
+    h = state_hash(base)
+    one = {k: v.clone() for k, v in base.items()}
+    one["w"][2, 3] = torch.nextafter(one["w"][2, 3], torch.tensor(1e9))
+    assert state_hash(one) != h
+    assert state_hash({**base, "b": torch.zeros(4, dtype=torch.float64)}) != h
+    assert state_hash({**base, "b": torch.zeros(4, dtype=torch.int32)}) != h  # same bytes
+    assert state_hash({**base, "w": base["w"].reshape(4, 3)}) != h
+    assert state_hash({"w": base["w"], "c": base["b"]}) != h
+    neg = {**base, "b": -base["b"]}  # -0.0 differs bitwise from 0.0
+    assert state_hash(neg) != h
+
+
+# ---- chunking -----------------------------------------------------------------------------
+
+CHUNK = MIN_CHUNK_BYTES
+
+
+def _payload(n: int, seed: int = 0) -> bytes:
+    return bytes(
+        torch.randint(
+            0, 256, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
+        ).numpy()
+    )
+
+
+def _receiver(payload: bytes) -> tuple[Reassembler, BufferSink]:
+    sink = BufferSink(len(payload))
+    return Reassembler(len(payload), hashlib.sha256(payload).digest(), sink), sink
+
+
+def test_iter_chunks_cover_payload_in_order():
+    payload = _payload(3 * CHUNK + 12345)
+    chunks = list(iter_chunks(payload, CHUNK))
+    assert [o for o, _ in chunks] == [0, CHUNK, 2 * CHUNK, 3 * CHUNK]
+    assert all(len(d) == CHUNK for _, d in chunks[:-1]) and len(chunks[-1][1]) == 12345
+    assert b"".join(bytes(d) for _, d in chunks) == payload
+    assert list(iter_chunks(b"", CHUNK)) == []
+
+
+def test_iter_chunks_refuses_bad_sizes_and_offsets():
+    with pytest.raises(ValueError, match="chunk size"):
+        list(iter_chunks(b"abc", MIN_CHUNK_BYTES - 1))
+    with pytest.raises(ValueError, match="chunk size"):
+        list(iter_chunks(b"abc", MAX_CHUNK_BYTES + 1))
+    with pytest.raises(ValueError, match="resume offset"):
+        list(iter_chunks(b"abc", CHUNK, start=4))
+
+
+def test_reassembler_reproduces_a_packed_state():
+    g = torch.Generator().manual_seed(3)
+    tensors = {"w": torch.randn(700, 1000, generator=g), "b": torch.randn(333, generator=g)}
+    manifest, payload = pack(tensors)
+    assert manifest.total_bytes > 2 * CHUNK
+    sink = BufferSink(manifest.total_bytes)
+    asm = Reassembler(manifest.total_bytes, manifest.sha256, sink)
+    for offset, data in iter_chunks(payload, CHUNK):
+        asm.add(offset, data)
+    assert asm.complete
+    asm.finish()
+    _assert_same(tensors, unpack(manifest, sink.buffer))
+
+
+def test_corrupted_chunk_fails_sha_check():
+    payload = _payload(2 * CHUNK + 10)
+    asm, _ = _receiver(payload)
+    for offset, data in iter_chunks(payload, CHUNK):
+        data = bytearray(data)
+        if offset == CHUNK:
+            data[77] ^= 0x01
+        asm.add(offset, data)
+    with pytest.raises(ChunkError, match="SHA-256"):
+        asm.finish()
+
+
+def test_missing_last_chunk_is_truncated():
+    payload = _payload(2 * CHUNK + 10)
+    asm, _ = _receiver(payload)
+    for offset, data in list(iter_chunks(payload, CHUNK))[:-1]:
+        asm.add(offset, data)
+    assert not asm.complete
+    with pytest.raises(ChunkError, match="truncated"):
+        asm.finish()
+
+
+def test_reordered_chunk_is_refused():
+    payload = _payload(3 * CHUNK)
+    asm, _ = _receiver(payload)
+    chunks = list(iter_chunks(payload, CHUNK))
+    asm.add(*chunks[0])
+    with pytest.raises(ChunkError, match="out-of-order"):
+        asm.add(*chunks[2])
+    assert asm.received == CHUNK  # the refused chunk changed nothing
+    asm.add(*chunks[1])
+    asm.add(*chunks[2])
+    asm.finish()
+
+
+def test_duplicated_chunk_is_refused():
+    payload = _payload(2 * CHUNK)
+    asm, sink = _receiver(payload)
+    chunks = list(iter_chunks(payload, CHUNK))
+    asm.add(*chunks[0])
+    with pytest.raises(ChunkError, match="duplicated"):
+        asm.add(*chunks[0])
+    asm.add(*chunks[1])
+    asm.finish()
+    assert bytes(sink.buffer) == payload
+
+
+def test_oversize_empty_and_overrunning_chunks_are_refused():
+    payload = _payload(MAX_CHUNK_BYTES + 10)
+    asm, _ = _receiver(payload)
+    with pytest.raises(ChunkError, match="exceeds"):
+        asm.add(0, payload[: MAX_CHUNK_BYTES + 1])
+    with pytest.raises(ChunkError, match="empty chunk"):
+        asm.add(0, b"")
+    small, _ = _receiver(b"0123456789")
+    with pytest.raises(ChunkError, match="runs past"):
+        small.add(0, b"0123456789A")
+    assert asm.received == 0 and small.received == 0
+
+
+def test_extra_bytes_after_the_end_are_refused():
+    payload = b"x" * 100
+    asm, _ = _receiver(payload)
+    asm.add(0, payload)
+    with pytest.raises(ChunkError, match="runs past"):
+        asm.add(100, b"y")
+    asm.finish()
+
+
+def test_resume_from_received_with_hasher(tmp_path):
+    payload = _payload(3 * CHUNK + 999, seed=5)
+    digest = hashlib.sha256(payload).digest()
+    part = tmp_path / "upload.part"
+    chunks = list(iter_chunks(payload, CHUNK))
+    with open(part, "ab") as f:
+        asm = Reassembler(len(payload), digest, f)
+        for offset, data in chunks[:2]:
+            asm.add(offset, data)
+    # The stream broke: rebuild the state from what is on disk, as uploads.Upload does.
+    hasher = hashlib.sha256(part.read_bytes())
+    received = part.stat().st_size
+    assert received == 2 * CHUNK
+    with open(part, "ab") as f:
+        asm = Reassembler(len(payload), digest, f, received, hasher)
+        with pytest.raises(ChunkError, match="duplicated"):
+            asm.add(*chunks[1])
+        for offset, data in iter_chunks(payload, CHUNK, start=asm.received):
+            asm.add(offset, data)
+        asm.finish()
+    assert part.read_bytes() == payload
+
+
+def test_resume_without_hasher_or_past_end_is_refused():
+    with pytest.raises(ChunkError, match="hasher"):
+        Reassembler(10, b"\0" * 32, BufferSink(10), received=5)
+    with pytest.raises(ChunkError, match="resume offset"):
+        Reassembler(10, b"\0" * 32, BufferSink(10), received=11, hasher=hashlib.sha256())
+
+
+def test_empty_payload_finishes_without_chunks():
+    asm, _ = _receiver(b"")
+    assert asm.complete
+    asm.finish()
+
+
+def test_random_split_points_still_reassemble():
+    payload = os.urandom(CHUNK + 5000)
+    asm, sink = _receiver(payload)
+    cuts = [0, 1, 4096, 700_000, CHUNK, len(payload)]
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        asm.add(a, payload[a:b])
+    asm.finish()
+    assert bytes(sink.buffer) == payload
