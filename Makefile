@@ -17,11 +17,11 @@ $(VENV)/.torch: $(BIN)/python
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q -e '.[examples]'
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,examples]'
 	touch $@
 
 demo: $(VENV)/.installed

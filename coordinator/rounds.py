@@ -96,6 +96,22 @@ def admit_update(state: RoundState, site: str, round_number: int) -> None:
         )
 
 
+def admit_latecomers(
+    now: float, state: RoundState, live: set[str], opts: RoundOptions
+) -> RoundState:
+    """Past the deadline and still below quorum, sites that joined after the round opened
+    become participants: otherwise a round whose sites died for good could never close."""
+    if state.opened_at is None or state.closed or len(state.received) >= opts.min_sites:
+        return state
+    if now < state.opened_at + opts.deadline_s:
+        return state
+    room = opts.max_sites - len(state.participants & live) - len(state.received.keys() - live)
+    newcomers = sorted(live - state.participants)[: max(room, 0)]
+    if not newcomers:
+        return state
+    return replace(state, participants=state.participants | frozenset(newcomers))
+
+
 def decide_close(now: float, state: RoundState, live: set[str], opts: RoundOptions) -> Decision:
     """Whether the open round closes now, and why (or why not)."""
     if state.opened_at is None or state.closed:

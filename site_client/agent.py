@@ -191,9 +191,12 @@ class SiteAgent:
         if previous is not None and previous["theta_path"] != str(path):
             Path(previous["theta_path"]).unlink(missing_ok=True)
         log.info(
-            "[%s] %s theta_%d (%s) in %.2fs", self.cfg.site,
-            "final" if info.finished else f"round {info.round}:", state.version,
-            state.theta_hash.hex()[:12], time.monotonic() - started,
+            "[%s] %s theta_%d (%s) in %.2fs",
+            self.cfg.site,
+            "final" if info.finished else f"round {info.round}:",
+            state.version,
+            state.theta_hash.hex()[:12],
+            time.monotonic() - started,
         )
         if info.finished:
             self._write_final(state.version, state.theta_hash.hex())
@@ -224,21 +227,33 @@ class SiteAgent:
             self.progress.phase = "idle"
             self.cond.notify_all()
         log.info(
-            "[%s] round %d: pushed %.2f MB in %.2fs (%s)", self.cfg.site, job["round"],
-            (self.client.bytes_sent - sent_before) / 1e6, time.monotonic() - started, outcome,
+            "[%s] round %d: pushed %.2f MB in %.2fs (%s)",
+            self.cfg.site,
+            job["round"],
+            (self.client.bytes_sent - sent_before) / 1e6,
+            time.monotonic() - started,
+            outcome,
         )
 
     def _write_final(self, version: int, theta_hash: str) -> None:
-        final = {"site": self.cfg.site, "version": version, "theta_hash": theta_hash,
-                 "wan_bytes_sent": self.client.bytes_sent,
-                 "wan_bytes_received": self.client.bytes_received}
+        final = {
+            "site": self.cfg.site,
+            "version": version,
+            "theta_hash": theta_hash,
+            "wan_bytes_sent": self.client.bytes_sent,
+            "wan_bytes_received": self.client.bytes_received,
+        }
         (self.cfg.run_dir / "final.json").write_text(json.dumps(final))
 
     # ---- trainer requests (IPC threads) -----------------------------------------------------
 
     def _hello(self, req: dict) -> dict:
-        return {"site": self.cfg.site, "run_dir": str(self.cfg.run_dir),
-                "shm_dir": str(self.cfg.shm_dir), "job_config": self.job_config}
+        return {
+            "site": self.cfg.site,
+            "run_dir": str(self.cfg.run_dir),
+            "shm_dir": str(self.cfg.shm_dir),
+            "job_config": self.job_config,
+        }
 
     def _wait_round(self, req: dict) -> dict:
         after = int(req.get("after", -1))
@@ -246,8 +261,10 @@ class SiteAgent:
 
         def ready() -> bool:
             r = self.ready
-            return bool(self.error) or (r is not None and (r["finished"] or r["round"] > after
-                                                          and r["round"] not in self.pushed))
+            return bool(self.error) or (
+                r is not None
+                and (r["finished"] or r["round"] > after and r["round"] not in self.pushed)
+            )
 
         with self.cond:
             if not self.cond.wait_for(ready, timeout=timeout):
@@ -273,9 +290,12 @@ class SiteAgent:
                 return {"accepted": True, "duplicate": True}
             if self.ready is None or self.ready["round"] != round_number:
                 raise ValueError(f"round {round_number} is not the site's current round")
-            self.pending = {"round": round_number, "path": req["path"],
-                            "weight": float(req.get("weight", 1.0)),
-                            "version": self.ready["version"]}
+            self.pending = {
+                "round": round_number,
+                "path": req["path"],
+                "weight": float(req.get("weight", 1.0)),
+                "version": self.ready["version"],
+            }
             self.cond.notify_all()
         return {"accepted": True}
 
@@ -284,7 +304,10 @@ class SiteAgent:
         record["site"] = self.cfg.site
         with open(self.cfg.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-        shown = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                          for k, v in record.items() if k != "site")
+        shown = "  ".join(
+            f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in record.items()
+            if k != "site"
+        )
         log.info("[%s] %s", self.cfg.site, shown)
         return {}

@@ -40,10 +40,19 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     s.add_argument("--site", required=True, help="this site's name in the job")
     s.add_argument("--run-dir", help="site-local state: checkpoints, metrics (default runs/SITE)")
-    s.add_argument("--inner-steps", type=int, metavar="H",
-                   help="inner steps per round at this site (default: the job's H)")
-    s.add_argument("--connect-timeout", type=float, default=120.0, metavar="SECONDS",
-                   help="give up reaching the coordinator after this long (default 120)")
+    s.add_argument(
+        "--inner-steps",
+        type=int,
+        metavar="H",
+        help="inner steps per round at this site (default: the job's H)",
+    )
+    s.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="give up reaching the coordinator after this long (default 120)",
+    )
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     return p
 
@@ -70,7 +79,8 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
     run_dir = Path(args.run_dir or Path("runs") / args.site).absolute()
     cfg = AgentConfig(args.site, run_dir, default_shm_dir(args.site), args.inner_steps)
     client = CoordinatorClient(
-        args.coordinator, args.site,
+        args.coordinator,
+        args.site,
         backoff=BackoffPolicy(initial_s=0.5, cap_s=10.0, deadline_s=args.connect_timeout),
         world_size=nproc_per_node(launch),
     )
@@ -79,9 +89,11 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         agent.start()
     except (CoordinatorError, DeadlineExceeded) as exc:
         agent.stop(leave=False)
-        print(f"siteclient: error: cannot join the job at {args.coordinator}: {_one_line(exc)} "
-              "(is `coordinator serve` running there, and is --coordinator right?)",
-              file=sys.stderr)
+        print(
+            f"siteclient: error: cannot join the job at {args.coordinator}: {_one_line(exc)} "
+            "(is `coordinator serve` running there, and is --coordinator right?)",
+            file=sys.stderr,
+        )
         return 1
     os.environ.update(
         ISTHMUS_AGENT_SOCKET=str(cfg.shm_dir / "agent.sock"),
@@ -93,8 +105,7 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
     except BaseException as exc:  # ChildFailedError, SignalException, KeyboardInterrupt
         agent.stop(leave=True)
         reason = agent.error or f"{type(exc).__name__}: {str(exc).strip().splitlines()[0:1]}"
-        print(f"siteclient: error: trainers of site {args.site} failed: {reason}",
-              file=sys.stderr)
+        print(f"siteclient: error: trainers of site {args.site} failed: {reason}", file=sys.stderr)
         return 1
     error = agent.error
     agent.stop(leave=True)
@@ -110,7 +121,7 @@ def _one_line(exc: BaseException) -> str:
 
     cause = exc.__cause__
     if isinstance(cause, grpc.RpcError):
-        head = str(exc).split(":", 1)[0]
+        head = str(exc).split(": ", 1)[0]
         return f"{head}: {cause.code().name}: {cause.details()}"
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
@@ -142,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"siteclient: error: {exc} ({USAGE_HINT})", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     try:

@@ -48,12 +48,18 @@ def parse_faults(text: str) -> list[Fault]:
     return faults
 
 
-def fault_at(faults: list[Fault], site: str, round_number: int, step: int, rank: int,
-             restart: int) -> Fault | None:
+def fault_at(
+    faults: list[Fault], site: str, round_number: int, step: int, rank: int, restart: int
+) -> Fault | None:
     """The fault planned for this exact point, if any (pure)."""
     for f in faults:
-        if (f.site, f.round, f.step, f.rank, f.restart) == (site, round_number, step, rank,
-                                                            restart):
+        if (f.site, f.round, f.step, f.rank, f.restart) == (
+            site,
+            round_number,
+            step,
+            rank,
+            restart,
+        ):
             return f
     return None
 

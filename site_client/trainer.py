@@ -90,10 +90,22 @@ class Round:
             yield step
             self.completed_steps = step + 1
             self.session._progress(self.number, self.completed_steps, self.loss)
-            inject(fault_at(self.session.faults, self.session.site, self.number,
-                            self.completed_steps, self.session.rank, self.session.restart_count))
+            inject(
+                fault_at(
+                    self.session.faults,
+                    self.session.site,
+                    self.number,
+                    self.completed_steps,
+                    self.session.rank,
+                    self.session.restart_count,
+                )
+            )
             every = self.session.checkpoint_every
-            if every and self.completed_steps % every == 0 and self.completed_steps < self.inner_steps:
+            if (
+                every
+                and self.completed_steps % every == 0
+                and self.completed_steps < self.inner_steps
+            ):
                 self._ckpt(self.number, self.completed_steps)
 
     def report(self, **metrics: float) -> None:
@@ -199,27 +211,35 @@ class SiteSession:
             if flag.item():
                 break
         fields = torch.tensor(
-            [reply.get("round", 0), reply.get("version", 0), reply.get("inner_steps", 0),
-             reply.get("total_rounds", 0), int(bool(reply.get("finished")))],
+            [
+                reply.get("round", 0),
+                reply.get("version", 0),
+                reply.get("inner_steps", 0),
+                reply.get("total_rounds", 0),
+                int(bool(reply.get("finished"))),
+            ],
             dtype=torch.int64,
         )
         dist.broadcast(fields, src=0)
         r, v, h, total, finished = (int(x) for x in fields.tolist())
-        return RoundSpec(r, v, h, total, bool(finished), reply.get("theta_path", ""),
-                         reply.get("theta_hash", ""))
+        return RoundSpec(
+            r, v, h, total, bool(finished), reply.get("theta_path", ""), reply.get("theta_hash", "")
+        )
 
     def _load_theta(self, model, spec: RoundSpec) -> dict[str, torch.Tensor]:
         """Load theta_r into the (sharded) model; returns theta_r on rank 0."""
         theta_r = load_file(spec.theta_path) if self.rank == 0 else {}
         to_load = load_file(spec.theta_path) if self.rank == 0 else {}
         set_model_state_dict(
-            model, to_load, options=StateDictOptions(full_state_dict=True,
-                                                     broadcast_from_rank0=True)
+            model,
+            to_load,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
         )
         full = self._gather_full(model)
         if self.rank == 0 and state_hash(full).hex() != spec.theta_hash:
-            raise TrainerError(f"theta_{spec.version} loaded into the model does not match the "
-                               "coordinator's hash")
+            raise TrainerError(
+                f"theta_{spec.version} loaded into the model does not match the coordinator's hash"
+            )
         return theta_r
 
     def _gather_full(self, model) -> dict[str, torch.Tensor]:
@@ -244,5 +264,6 @@ class SiteSession:
 
     def _progress(self, round_number: int, step: int, loss: float) -> None:
         if self.ipc:
-            self.ipc.call("progress", round=round_number, step=step,
-                          loss=loss if loss == loss else 0.0)
+            self.ipc.call(
+                "progress", round=round_number, step=step, loss=loss if loss == loss else 0.0
+            )

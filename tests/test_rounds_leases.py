@@ -9,6 +9,7 @@ from coordinator.rounds import (
     RoundOptions,
     RoundState,
     UpdateRefused,
+    admit_latecomers,
     admit_update,
     decide_close,
     next_round,
@@ -163,6 +164,29 @@ def test_waits_below_quorum_even_after_deadline():
     d = decide_close(500.0, s, {"a", "b", "c"}, OPTS)
     assert not d.act
     assert "only 1 of min_sites=2" in d.reason and "'b'" in d.reason and "'c'" in d.reason
+
+
+def test_latecomers_join_a_stuck_round_only_after_its_deadline():
+    # a and b opened the round; b died for good, d and e joined later.
+    s = record_update(_open({"a", "b"}, now=0.0), "a", 1.0)
+    live = {"a", "d", "e"}
+    assert admit_latecomers(99.0, s, live, OPTS) is s  # before the deadline: nothing changes
+    later = admit_latecomers(100.0, s, live, OPTS)
+    assert later.participants == {"a", "b", "d", "e"}
+    with pytest.raises(UpdateRefused):
+        admit_update(s, "d", 0)
+    admit_update(later, "d", 0)  # no longer refused
+    later = record_update(later, "d", 1.0)
+    assert decide_close(101.0, later, live, OPTS).act  # quorum of 2 reached past the deadline
+
+
+def test_latecomers_respect_max_sites_and_quorum():
+    opts = RoundOptions(min_sites=2, max_sites=3, join_window_s=0.0, deadline_s=10.0)
+    s = record_update(_open({"a", "b"}, now=0.0), "a", 1.0)
+    capped = admit_latecomers(10.0, s, {"a", "b", "x", "y"}, opts)
+    assert capped.participants == {"a", "b", "x"}
+    full = record_update(s, "b", 1.0)  # quorum already there: the round just closes
+    assert admit_latecomers(10.0, full, {"a", "b", "x"}, opts) is full
 
 
 def test_all_delivered_but_below_quorum_waits():

@@ -25,11 +25,34 @@ def start_site(tmp: Path, address: str, index: int, env: dict) -> subprocess.Pop
     site = f"site-{index}"
     log = open(tmp / f"{site}.log", "w")  # noqa: SIM115 - owned by the child
     cmd = [
-        sys.executable, "-m", "site_client.cli", "start", "--coordinator", address,
-        "--site", site, "--run-dir", str(tmp / site), "--nproc-per-node", "2",
-        "--connect-timeout", "30", "--",
-        str(TRAIN), "--site-index", str(index), "--num-sites", "2", "--batch-size", "4",
-        "--eval-batches", "2", "--corpus-bytes", str(1 << 20), "--checkpoint-every", "2",
+        sys.executable,
+        "-m",
+        "site_client.cli",
+        "start",
+        "--coordinator",
+        address,
+        "--site",
+        site,
+        "--run-dir",
+        str(tmp / site),
+        "--nproc-per-node",
+        "2",
+        "--connect-timeout",
+        "30",
+        "--",
+        str(TRAIN),
+        "--site-index",
+        str(index),
+        "--num-sites",
+        "2",
+        "--batch-size",
+        "4",
+        "--eval-batches",
+        "2",
+        "--corpus-bytes",
+        str(1 << 20),
+        "--checkpoint-every",
+        "2",
     ]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -42,8 +65,14 @@ def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
             "factory": "examples.gpt_diloco.model:build_model",
             "kwargs": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32},
         },
-        rounds={"total": ROUNDS, "inner_steps": 8, "min_sites": 2, "max_sites": 2,
-                "join_window_s": 30.0, "deadline_s": 300.0},
+        rounds={
+            "total": ROUNDS,
+            "inner_steps": 8,
+            "min_sites": 2,
+            "max_sites": 2,
+            "join_window_s": 30.0,
+            "deadline_s": 300.0,
+        },
         timeouts={"heartbeat_interval_s": 0.5, "lease_ttl_s": 30.0},
     )
     coord = start_coordinator(tmp_path, cfg)
@@ -81,7 +110,9 @@ def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
         assert final["theta_hash"] == final_meta["theta_sha256"]
 
     # Validation loss of the global model goes down round after round.
-    records = [json.loads(x) for x in (tmp_path / "site-1" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(x) for x in (tmp_path / "site-1" / "metrics.jsonl").read_text().splitlines()
+    ]
     val = {r["round"]: r["val_loss"] for r in records if "val_loss" in r}
     assert sorted(val) == list(range(ROUNDS + 1))
     assert val[1] < val[0] and val[ROUNDS] < val[1], val

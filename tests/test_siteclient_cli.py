@@ -13,26 +13,49 @@ TRAIN = str(REPO / "examples" / "gpt_diloco" / "train.py")
 
 def siteclient(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "site_client.cli", *args], cwd=REPO, env=subprocess_env(),
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "site_client.cli", *args],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--coordinator", "127.0.0.1:1", "--site", "a", "--", "no/such/train.py"],
-         "training script 'no/such/train.py' not found"),
-        (["--coordinator", "127.0.0.1:1", "--site", "a", "--bogus-flag", "3", "--", TRAIN],
-         "unknown flag --bogus-flag"),
-        (["--coordinator", "127.0.0.1:1", "--site", "a", "--inner-steps", "0", "--", TRAIN],
-         "--inner-steps must be > 0, got 0"),
-        (["--coordinator", "127.0.0.1:1", "--site", "a", "--inner-steps", "-5", "--", TRAIN],
-         "--inner-steps must be > 0, got -5"),
+        (
+            ["--coordinator", "127.0.0.1:1", "--site", "a", "--", "no/such/train.py"],
+            "training script 'no/such/train.py' not found",
+        ),
+        (
+            ["--coordinator", "127.0.0.1:1", "--site", "a", "--bogus-flag", "3", "--", TRAIN],
+            "unknown flag --bogus-flag",
+        ),
+        (
+            ["--coordinator", "127.0.0.1:1", "--site", "a", "--inner-steps", "0", "--", TRAIN],
+            "--inner-steps must be > 0, got 0",
+        ),
+        (
+            ["--coordinator", "127.0.0.1:1", "--site", "a", "--inner-steps", "-5", "--", TRAIN],
+            "--inner-steps must be > 0, got -5",
+        ),
         (["--coordinator", "127.0.0.1:1", "--site", "a", TRAIN], "missing `-- SCRIPT"),
         (["--site", "a", "--", TRAIN], "--coordinator"),
-        (["--coordinator", "127.0.0.1:1", "--site", "a", "--nproc-per-node", "zero", "--",
-          TRAIN], "--nproc-per-node"),
+        (
+            [
+                "--coordinator",
+                "127.0.0.1:1",
+                "--site",
+                "a",
+                "--nproc-per-node",
+                "zero",
+                "--",
+                TRAIN,
+            ],
+            "--nproc-per-node",
+        ),
     ],
 )
 def test_bad_command_line_exits_with_one_line(args, expected):
@@ -46,8 +69,9 @@ def test_bad_command_line_exits_with_one_line(args, expected):
 
 def test_unreachable_coordinator_is_retried_then_reported():
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
-    result = siteclient("start", "--coordinator", address, "--site", "a",
-                        "--connect-timeout", "3", "--", TRAIN)
+    result = siteclient(
+        "start", "--coordinator", address, "--site", "a", "--connect-timeout", "3", "--", TRAIN
+    )
     assert result.returncode == 1
     retries = [line for line in result.stderr.splitlines() if "join failed" in line]
     assert len(retries) >= 2, result.stderr  # backed off and tried again before giving up

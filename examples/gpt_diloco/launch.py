@@ -54,20 +54,55 @@ def main(argv=None) -> int:
     logs = []
 
     def spawn(name: str, cmd: list[str]) -> None:
-        log = open(run / f"{name}.log", "w")
+        log = open(run / f"{name}.log", "w")  # noqa: SIM115 - closed after the job
         logs.append(log)
         procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
-    print(f"isthmus demo: coordinator on {address}, {args.sites} sites x "
-          f"{args.nproc_per_node} FSDP2 trainers; logs in {run}", flush=True)
-    spawn("coordinator", [py, "-m", "coordinator.cli", "serve", "--config", args.config,
-                          "--listen", address, "--state-dir", str(run / "coordinator")])
+    print(
+        f"isthmus demo: coordinator on {address}, {args.sites} sites x "
+        f"{args.nproc_per_node} FSDP2 trainers; logs in {run}",
+        flush=True,
+    )
+    spawn(
+        "coordinator",
+        [
+            py,
+            "-m",
+            "coordinator.cli",
+            "serve",
+            "--config",
+            args.config,
+            "--listen",
+            address,
+            "--state-dir",
+            str(run / "coordinator"),
+        ],
+    )
     sites = [f"site-{i}" for i in range(args.sites)]
     for i, site in enumerate(sites):
-        spawn(site, [py, "-m", "site_client.cli", "start", "--coordinator", address,
-                     "--site", site, "--run-dir", str(run / site),
-                     "--nproc-per-node", str(args.nproc_per_node), "--",
-                     str(HERE / "train.py"), "--site-index", str(i), "--num-sites", str(args.sites)])
+        spawn(
+            site,
+            [
+                py,
+                "-m",
+                "site_client.cli",
+                "start",
+                "--coordinator",
+                address,
+                "--site",
+                site,
+                "--run-dir",
+                str(run / site),
+                "--nproc-per-node",
+                str(args.nproc_per_node),
+                "--",
+                str(HERE / "train.py"),
+                "--site-index",
+                str(i),
+                "--num-sites",
+                str(args.sites),
+            ],
+        )
 
     started = time.monotonic()
     shown: set[tuple] = set()
@@ -78,17 +113,22 @@ def main(argv=None) -> int:
                 return 1
             failed = [n for n, pr in procs.items() if pr.poll() not in (None, 0)]
             if failed:
-                print(f"demo: {', '.join(failed)} failed; see {run}/{failed[0]}.log",
-                      file=sys.stderr)
+                print(
+                    f"demo: {', '.join(failed)} failed; see {run}/{failed[0]}.log", file=sys.stderr
+                )
                 return 1
             for rec in read_metrics(run, sites):
                 key = (rec["site"], rec.get("round"), tuple(sorted(rec)))
                 if key not in shown:
                     shown.add(key)
-                    values = "  ".join(f"{k} {v:.4f}" for k, v in rec.items()
-                                       if isinstance(v, float))
-                    print(f"[{time.monotonic() - started:6.1f}s] {rec['site']:8s} "
-                          f"round {rec.get('round')}: {values}", flush=True)
+                    values = "  ".join(
+                        f"{k} {v:.4f}" for k, v in rec.items() if isinstance(v, float)
+                    )
+                    print(
+                        f"[{time.monotonic() - started:6.1f}s] {rec['site']:8s} "
+                        f"round {rec.get('round')}: {values}",
+                        flush=True,
+                    )
             time.sleep(0.5)
         procs["coordinator"].wait(timeout=60)
     finally:
@@ -98,6 +138,33 @@ def main(argv=None) -> int:
         for log in logs:
             log.close()
     return summarize(run, sites, time.monotonic() - started)
+
+
+def plot_losses(run: Path, by_round: dict[int, dict]) -> Path | None:
+    """Loss per round as a PNG (skipped when matplotlib is not installed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rounds = sorted(by_round)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    train = [(r, sum(v["train"]) / len(v["train"])) for r in rounds if (v := by_round[r])["train"]]
+    val = [(r, by_round[r]["val"][0]) for r in rounds if by_round[r]["val"]]
+    ax.plot(*zip(*train, strict=True), "o-", label="train loss (mean over sites, during round)")
+    ax.plot(*zip(*val, strict=True), "s-", label="validation loss of global theta_r")
+    ax.set_xlabel("outer round r")
+    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_title("isthmus demo: DiLoCo across 3 sites x 2 FSDP2 trainers")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = run / "loss.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def summarize(run: Path, sites: list[str], elapsed: float) -> int:
@@ -121,12 +188,15 @@ def summarize(run: Path, sites: list[str], elapsed: float) -> int:
         train = f"{sum(row['train']) / len(row['train']):.4f}" if row["train"] else "-"
         val = f"{row['val'][0]:.4f}" if row["val"] else "-"
         print(f"{r:5d}  {train:>26s}  {val:>19s}")
+    plot = plot_losses(run, by_round)
     final_val = [r["val_loss"] for r in records if r.get("final")]
     print(f"\nfinal validation loss {final_val[0]:.4f}" if final_val else "no final loss")
     print(f"total WAN bytes {wan / 1e6:.2f} MB (pushes + fetches, all sites)")
-    print(f"theta hashes: every site {'MATCHES' if match else 'DOES NOT MATCH'} the "
-          f"coordinator ({coord_hash[:12]})")
-    print(f"elapsed {elapsed:.0f}s")
+    print(
+        f"theta hashes: every site {'MATCHES' if match else 'DOES NOT MATCH'} the "
+        f"coordinator ({coord_hash[:12]})"
+    )
+    print(f"elapsed {elapsed:.0f}s" + (f"; loss curves in {plot}" if plot else ""))
     return 0 if match and final_val else 1
 
 

@@ -64,8 +64,13 @@ def main(argv=None) -> None:
         losses = []
         for step in rnd.steps():
             inputs, targets = corpus.site_batch(
-                args.site_index, args.num_sites, rnd.number, step,
-                session.rank, session.world_size, args.batch_size,
+                args.site_index,
+                args.num_sites,
+                rnd.number,
+                step,
+                session.rank,
+                session.world_size,
+                args.batch_size,
             )
             loss = lm_loss(model(inputs), targets)
             loss.backward()
