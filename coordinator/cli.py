@@ -13,7 +13,10 @@ from pathlib import Path
 import grpc
 
 from coordinator.config import ConfigError, load_config
-from coordinator.store import StoreError
+
+
+class StartError(Exception):
+    """The coordinator cannot start; the message says why (raised with torch loaded)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,15 +34,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args) -> int:
+    cfg = load_config(args.config)  # before the slow torch import: config errors come fast
     from coordinator.server import CoordinatorServer  # torch import: only for serve
+    from coordinator.store import StoreError
+    from strategies import StrategyError
 
     # Like `python -m`, make the working directory importable, so that model factories and
     # strategy plugins in the user's own project (`mypkg.model:build`) can be named.
     sys.path.insert(0, os.getcwd())
-    cfg = load_config(args.config)
     if args.state_dir:
         cfg = dataclasses.replace(cfg, state_dir=Path(args.state_dir).absolute())
-    server = CoordinatorServer(cfg, args.listen)
+    try:
+        server = CoordinatorServer(cfg, args.listen)
+    except (StoreError, StrategyError) as exc:  # e.g. a wrong [strategy] table, state in use
+        raise StartError(str(exc)) from exc
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
     return server.run()
@@ -75,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return _serve(args) if args.command == "serve" else _status(args)
-    except (ConfigError, StoreError, OSError) as exc:
+    except (ConfigError, StartError, OSError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
 

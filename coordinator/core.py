@@ -25,6 +25,7 @@ from coordinator.rounds import (
     RoundOptions,
     RoundState,
     UpdateRefused,
+    admit_latecomers,
     admit_update,
     decide_close,
     next_round,
@@ -34,7 +35,13 @@ from coordinator.rounds import (
 )
 from coordinator.spool import SpooledUpdate, UpdateSpool, read_tensors, weighted_mean
 from coordinator.store import Checkpoint, CheckpointStore, StoreError
-from coordinator.uploads import Upload, UploadTable, check_update_manifest
+from coordinator.uploads import (
+    Upload,
+    UploadBusy,
+    UploadConflict,
+    UploadTable,
+    check_update_manifest,
+)
 from strategies import Aggregate, load_strategy
 from wire.chunking import ChunkError
 from wire.tensors import Manifest, PayloadError, pack, state_hash
@@ -128,16 +135,36 @@ class CoordinatorCore:
         self.round = RoundState(number=ckpt.round)
         self._publish()
         saved = self.spool.read_round(ckpt.round)
+        expected: list[str] = []
         if saved is not None and not self.finished:
             # The round in flight at a crash: same participants, updates already spooled count.
+            expected = sorted(saved["participants"])
             self.round = replace(
-                self.round, opened_at=self.clock(), participants=frozenset(saved["participants"])
+                self.round, opened_at=self.clock(), participants=frozenset(expected)
             )
             for update in self.spool.completed(ckpt.round):
                 self.accepted[update.site] = update
                 self.round = record_update(self.round, update.site, update.weight)
+            self.strategy.begin_round(self.round.number, self.theta)
             log.info("round %d replays with %d spooled update(s)", ckpt.round, len(self.accepted))
+        else:
+            # Between rounds, or after the last one (the sites still fetch the final theta):
+            # the sites of the round closed last are expected back.
+            expected = sorted(ckpt.meta.get("closed_round", {}).get("sites", []))
+        self._await_rejoin(expected)
         self.spool.drop_rounds_before(ckpt.round)
+
+    def _await_rejoin(self, sites: list[str]) -> None:
+        """After a restart no site holds a lease yet. Hold a provisional lease (one TTL long,
+        under a token nobody was given) for each site of the round in flight, so that the
+        round neither closes without them nor opens without them while they back off and
+        re-join; a site that does not come back within the TTL expires as usual."""
+        now = self.clock()
+        for site in sites:
+            self.leases.grant(site, now)
+            self.sites[site] = SiteRecord(state="rejoining", last_heartbeat=now)
+        if sites:
+            log.info("expecting %s to re-join", ", ".join(sites))
 
     def _publish(self) -> None:
         manifest, payload = pack(self.theta)
@@ -155,7 +182,9 @@ class CoordinatorCore:
             now = self.clock()
             live = self.leases.live(now)
             if site not in live and len(live) >= self.cfg.rounds.max_sites:
-                raise Refused("full", f"the job already has max_sites={len(live)} sites")
+                raise Refused(
+                    "full", f"the job already has max_sites={self.cfg.rounds.max_sites} sites"
+                )
             lease = self.leases.grant(site, now)
             self.sites[site] = SiteRecord(
                 last_heartbeat=now,
@@ -241,7 +270,9 @@ class CoordinatorCore:
             raise Refused("invalid", f"bad update manifest: {exc}") from exc
         try:
             return self.uploads.begin(site, header["round"], header["upload_id"], manifest, weight)
-        except ValueError as exc:
+        except UploadConflict as exc:
+            raise Refused("invalid", str(exc)) from exc
+        except UploadBusy as exc:
             raise Refused("busy", str(exc)) from exc
 
     def upload_chunk(self, upload: Upload, offset: int, data: bytes) -> None:
@@ -320,6 +351,17 @@ class CoordinatorCore:
                     self.round.number,
                     ", ".join(sorted(self.round.participants)),
                 )
+            before = self.round.participants
+            self.round = admit_latecomers(now, self.round, live, self.opts)
+            if self.round.participants != before:
+                self.spool.write_round(
+                    self.round.number, {"participants": sorted(self.round.participants)}
+                )
+                log.warning(
+                    "round %d is past its deadline below quorum; admitting %s",
+                    self.round.number,
+                    ", ".join(sorted(self.round.participants - before)),
+                )
             decision = decide_close(now, self.round, live, self.opts)
             if not decision.act:
                 return False
@@ -363,6 +405,7 @@ class CoordinatorCore:
             self.last_close_reason = reason
             self._publish()
             self.wake.notify_all()
+        self.uploads.drop_rounds_before(state.number + 1)
         self.spool.drop_rounds_before(state.number + 1)
         log.info(
             "round %d closed (%s): %d update(s), outer step + checkpoint in %.2fs; theta_%d %s",

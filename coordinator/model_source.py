@@ -29,6 +29,10 @@ def initial_theta(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         model = factory(**cfg.kwargs)
     except TypeError as exc:
         raise ConfigError(f"model.kwargs: {cfg.factory} refused them: {exc}") from exc
+    except Exception as exc:  # the user's own code: report it as a config problem, briefly
+        raise ConfigError(
+            f"model.factory: {cfg.factory} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(
             f"model.factory: {cfg.factory} returned {type(model).__name__}, not a torch.nn.Module"

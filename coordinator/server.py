@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import threading
 import time
 from concurrent import futures
@@ -13,7 +15,7 @@ import grpc
 from coordinator.config import JobConfig
 from coordinator.core import CoordinatorCore, FatalError
 from coordinator.servicer import CoordinatorServicer
-from coordinator.store import write_atomic
+from coordinator.store import StoreError, write_atomic
 from wire.grpc_options import server_options
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 
@@ -26,18 +28,33 @@ class CoordinatorServer:
 
     def __init__(self, cfg: JobConfig, listen: str | None = None) -> None:
         self.cfg = cfg
-        self.core = CoordinatorCore(cfg)
+        self._lock = lock_state_dir(Path(cfg.state_dir))
+        try:
+            self._setup(cfg, listen)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, cfg: JobConfig, listen: str | None) -> None:
         self.stop_event = threading.Event()
+        # A push stream holds a worker thread for its whole transfer: keep enough for every
+        # site to push and fetch at once with threads left over for heartbeats.
+        workers = max(cfg.server.workers, 2 * cfg.rounds.max_sites + 8)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.server.workers),
+            futures.ThreadPoolExecutor(max_workers=workers),
             options=server_options(),
         )
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self.core), self.server)
+        # The port first: a coordinator that cannot listen fails before touching its state.
         address = listen or cfg.server.listen
-        port = self.server.add_insecure_port(address)
+        try:
+            port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...")
+            port = 0
         if port == 0:
             raise OSError(f"cannot listen on {address} (address in use or not local?)")
         self.address = f"{address.rpartition(':')[0]}:{port}"
+        self.core = CoordinatorCore(cfg)
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self.core), self.server)
         self.exit_code = 0
 
     def run(self) -> int:
@@ -64,7 +81,13 @@ class CoordinatorServer:
                         break
         finally:
             self.server.stop(grace=2.0).wait()
+            self.close()
         return self.exit_code
+
+    def close(self) -> None:
+        """Let go of the state folder (``run`` does this when it returns)."""
+        if not self._lock.closed:
+            self._lock.close()
 
     def _sites_gone(self, finished_at: float) -> bool:
         with self.core.lock:
@@ -73,3 +96,31 @@ class CoordinatorServer:
 
     def stop(self) -> None:
         self.stop_event.set()
+
+
+def lock_state_dir(state_dir: Path):
+    """Hold an exclusive lock on the state folder for as long as the returned file is open.
+
+    Two coordinators on one state folder would write over each other's checkpoints and spool;
+    the second one is refused here. The kernel drops the lock when the process dies, so a
+    coordinator killed with -9 never leaves a stale lock behind.
+    """
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        f = open(state_dir / "lock", "a+")  # noqa: SIM115 - kept open while serving
+    except OSError as exc:
+        raise StoreError(f"cannot use state folder {state_dir}: {exc.strerror}") from exc
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise StoreError(
+            f"state folder {state_dir} is in use by another coordinator ({holder}); "
+            "stop that one first, or give this job another job.state_dir"
+        ) from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f

@@ -1,6 +1,6 @@
 """Received updates on disk, and their sum in a fixed order.
 
-Each upload streams into ``spool/round-NNNNNNNN/SITE.UPLOAD.part``; when its SHA-256 and contents
+Each upload streams into ``spool/round-NNNNNNNN/SITE+UPLOAD.part``; when its SHA-256 and contents
 verify it is fsynced and renamed to ``SITE.update`` beside a ``SITE.json`` that records its
 manifest and weight. Memory stays at one chunk per upload, however many sites push at once.
 
@@ -27,6 +27,9 @@ import torch
 
 from coordinator.store import fsync_dir
 from wire.tensors import DTYPES, Manifest, TensorEntry
+
+# Site names start with a letter or digit, so no site's "SITE.json" can be this file.
+ROUND_FILE = "_round.json"
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ class UpdateSpool:
         return self.root / f"round-{round_number:08d}"
 
     def part_path(self, round_number: int, site: str, upload_id: str) -> Path:
-        return self.round_dir(round_number) / f"{site}.{upload_id}.part"
+        # '+' cannot occur in site names or upload ids, so no two uploads share a file.
+        return self.round_dir(round_number) / f"{site}+{upload_id}.part"
 
     def open_part(self, round_number: int, site: str, upload_id: str):
         """Open (creating or continuing) the partial file of an upload, for appending."""
@@ -123,7 +127,7 @@ class UpdateSpool:
         d = self.round_dir(round_number)
         out = []
         for meta_path in sorted(d.glob("*.json")) if d.exists() else []:
-            if meta_path.name == "round.json":
+            if meta_path.name == ROUND_FILE:
                 continue
             meta = json.loads(meta_path.read_text())
             path = d / f"{meta['site']}.update"
@@ -138,16 +142,16 @@ class UpdateSpool:
     def write_round(self, round_number: int, info: dict) -> None:
         d = self.round_dir(round_number)
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / ".round.json.tmp"
+        tmp = d / f".{ROUND_FILE}.tmp"
         with open(tmp, "w") as f:
             json.dump(info, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, d / "round.json")
+        os.replace(tmp, d / ROUND_FILE)
         fsync_dir(d)
 
     def read_round(self, round_number: int) -> dict | None:
-        path = self.round_dir(round_number) / "round.json"
+        path = self.round_dir(round_number) / ROUND_FILE
         return json.loads(path.read_text()) if path.exists() else None
 
     def drop_rounds_before(self, round_number: int) -> None:

@@ -21,7 +21,9 @@ def status_reply(core) -> pb.StatusReply:
                     token=lease.token if lease else 0,
                     lease_remaining_s=max(lease.remaining(now), 0.0) if lease else 0.0,
                     last_heartbeat_age_s=now - rec.last_heartbeat,
-                    last_update_age_s=now - rec.last_update_at if rec.last_update_at else -1.0,
+                    last_update_age_s=(
+                        now - rec.last_update_at if rec.last_update_at is not None else -1.0
+                    ),
                     last_round_pushed=rec.last_round_pushed or 0,
                     progress=pb.Progress(
                         round=p.get("round", 0),

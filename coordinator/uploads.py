@@ -42,6 +42,14 @@ def check_update_manifest(
         raise PayloadError(f"update is missing tensor(s) {missing[:5]}")
 
 
+class UploadConflict(ValueError):
+    """An upload id already used for a different payload or round: the request is wrong."""
+
+
+class UploadBusy(ValueError):
+    """The upload is being received on another stream right now: retry shortly."""
+
+
 class Upload:
     def __init__(
         self,
@@ -106,9 +114,12 @@ class UploadTable:
             if upload is not None and (
                 upload.manifest.sha256 != manifest.sha256 or upload.round != round_number
             ):
-                raise ValueError(f"upload id {upload_id!r} was already used for another payload")
+                raise UploadConflict(
+                    f"upload id {upload_id!r} was already used for another payload; "
+                    "use a new upload id"
+                )
             if upload is not None and upload.busy:
-                raise ValueError(
+                raise UploadBusy(
                     f"upload {upload_id!r} is already being received on another "
                     "stream; retry shortly"
                 )
@@ -141,6 +152,15 @@ class UploadTable:
         upload.close()
         self._uploads.pop((upload.site, upload.upload_id), None)
         self.spool.discard_part(upload.round, upload.site, upload.upload_id)
+
+    def drop_rounds_before(self, round_number: int) -> None:
+        """Abandon unfinished uploads of closed rounds (those not being received right now;
+        a busy one is refused as late when it ends). Closing their files lets the disk space
+        of the spool's deleted round folders go."""
+        with self._lock:
+            for upload in [u for u in self._uploads.values() if u.round < round_number]:
+                if not upload.busy:
+                    self._drop(upload)
 
     def in_progress(self) -> int:
         with self._lock:

@@ -91,7 +91,7 @@ class CoordinatorClient:
         """Run ``fn`` with backoff on transient errors; re-join when the lease was fenced."""
 
         def attempt():
-            if self.lease is None and describe != "join":
+            if self.lease is None and describe not in ("join", "status"):
                 self._join_once()
             try:
                 return fn()
@@ -184,7 +184,19 @@ class CoordinatorClient:
                 req.version = version
             elif state["manifest"] is not None:
                 req.version = state["version"]  # continue the same version we started
-            stream = self.stub.Fetch(req, timeout=self.transfer_timeout_s)
+            try:
+                receive(self.stub.Fetch(req, timeout=self.transfer_timeout_s), offset)
+            except grpc.RpcError as exc:
+                pinned = version is None and state["manifest"] is not None
+                if exc.code() != grpc.StatusCode.NOT_FOUND or not pinned:
+                    raise
+                # The version being resumed is no longer served (its round closed meanwhile):
+                # start over on the current one.
+                state.update(manifest=None, sink=None, asm=None)
+                raise ChunkError(f"version {state['version']} is gone; fetching anew") from exc
+            state["asm"].finish()
+
+        def receive(stream, offset: int) -> None:
             for msg in stream:
                 if msg.HasField("header"):
                     manifest = Manifest.from_proto(msg.header.manifest)
@@ -202,7 +214,6 @@ class CoordinatorClient:
                     continue
                 state["asm"].add(msg.chunk.offset, msg.chunk.data)
                 self.bytes_received += len(msg.chunk.data)
-            state["asm"].finish()
 
         try:
             self._call("fetch", attempt)

@@ -24,7 +24,10 @@ restarted by the launcher resumes where it was, with any number of ranks.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,7 +55,32 @@ from site_client.local_ipc import IpcClient
 from wire.tensors import state_hash
 
 ENV_SOCKET = "ISTHMUS_AGENT_SOCKET"
-STEP_SLOTS = 1 << 20  # checkpoint sequence number = round * STEP_SLOTS + step
+STEP_SLOTS = 1 << 20
+PR_SET_PDEATHSIG = 1  # checkpoint sequence number = round * STEP_SLOTS + step
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this trainer when its launcher (the site agent) dies.
+
+    Otherwise a trainer whose agent was killed lingers, half-connected, and a later gloo
+    rendezvous on a reused local port can be answered by it.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _init_process_group(backend: str, attempt: int) -> None:
+    """``init_process_group`` on the launcher's store, with keys private to this attempt.
+
+    After a worker-group restart the launcher's store still holds the previous attempt's
+    gloo addresses; a restarted rank that read one would dial a dead trainer and time out.
+    """
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    prefixed = dist.PrefixStore(f"isthmus/attempt-{attempt}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size)
 
 
 class TrainerError(RuntimeError):
@@ -119,8 +147,10 @@ class SiteSession:
             raise TrainerError(
                 f"{ENV_SOCKET} is not set: start this script with `siteclient start ... -- SCRIPT`"
             )
+        _die_with_parent()
+        self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if not dist.is_initialized():
-            dist.init_process_group(backend)
+            _init_process_group(backend, self.restart_count)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.checkpoint_every = checkpoint_every
         # Every rank says hello (to read the job config); only rank 0 drives the rounds.
@@ -134,7 +164,6 @@ class SiteSession:
         self.shm_dir = Path(hello["shm_dir"])
         self.job_config: dict = tomllib.loads(hello["job_config"]) if hello["job_config"] else {}
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         pid_dir = self.run_dir / "trainers"
         pid_dir.mkdir(parents=True, exist_ok=True)
         (pid_dir / f"rank-{self.rank}.pid").write_text(f"{os.getpid()} {self.restart_count}\n")

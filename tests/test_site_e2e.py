@@ -7,7 +7,10 @@ from the site checkpoint and the round completes with both sites' updates.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +57,10 @@ def start_site(tmp: Path, address: str, index: int, env: dict) -> subprocess.Pop
         "--checkpoint-every",
         "2",
     ]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # Its own session: cleanup can kill the agent and its trainers together.
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
@@ -86,8 +92,8 @@ def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
         assert coord.wait(timeout=60) == 0, coord.log_tail()
     finally:
         for p in sites:
-            if p.poll() is None:
-                p.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
         coord.stop()
 
     # The killed trainer really died and was restarted by the launcher; the other site's not.
