@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e '.[dev,examples]'
+	$(BIN)/python -m pip install -q -e '.[dev,examples,flower]'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import grpc
 
+from coordinator.certs_cli import add_certs_parser, run_certs
 from coordinator.config import ConfigError, load_config
+from wire.channel import add_security_flags, bundle_from_flags, open_channel
+from wire.identity import IdentityError
 
 
 class StartError(Exception):
@@ -26,16 +29,21 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="the job's TOML config file")
     serve.add_argument("--listen", help="HOST:PORT to listen on (overrides server.listen)")
     serve.add_argument("--state-dir", help="state folder (overrides job.state_dir)")
+    serve.add_argument("--crl", metavar="FILE", help="the CA's revocation list (reread live)")
+    add_security_flags(serve, "the coordinator")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     status = sub.add_parser("status", help="print the state of a running job")
     status.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    add_security_flags(status, "an operator")
+    add_certs_parser(sub)
     return p
 
 
 def _serve(args) -> int:
     cfg = load_config(args.config)  # before the slow torch import: config errors come fast
-    from coordinator.server import CoordinatorServer  # torch import: only for serve
+    bundle = bundle_from_flags(args)
+    from coordinator.server import CoordinatorServer, ServerTls  # torch import: only for serve
     from coordinator.store import StoreError
     from strategies import StrategyError
 
@@ -45,7 +53,8 @@ def _serve(args) -> int:
     if args.state_dir:
         cfg = dataclasses.replace(cfg, state_dir=Path(args.state_dir).absolute())
     try:
-        server = CoordinatorServer(cfg, args.listen)
+        tls = ServerTls(bundle, Path(args.crl) if args.crl else None) if bundle else None
+        server = CoordinatorServer(cfg, args.listen, tls)
     except (StoreError, StrategyError) as exc:  # e.g. a wrong [strategy] table, state in use
         raise StartError(str(exc)) from exc
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -55,18 +64,23 @@ def _serve(args) -> int:
 
 def _status(args) -> int:
     from coordinator.status import format_status
-    from wire.grpc_options import channel_options
     from wire.proto import isthmus_pb2 as pb
     from wire.proto import isthmus_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(args.coordinator, options=channel_options()) as channel:
+    with open_channel(args.coordinator, bundle_from_flags(args)) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
         try:
             reply = stub.Status(pb.StatusRequest(), timeout=args.timeout)
         except grpc.RpcError as exc:
+            hint = (
+                exc.details()
+                if exc.code()
+                in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+                else "is `coordinator serve` running there, and do its TLS settings match?"
+            )
             print(
                 f"coordinator: error: no answer from {args.coordinator} "
-                f"({exc.code().name}): is `coordinator serve` running there?",
+                f"({exc.code().name}): {hint}",
                 file=sys.stderr,
             )
             return 1
@@ -82,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
+        if args.command == "certs":
+            return run_certs(args)
         return _serve(args) if args.command == "serve" else _status(args)
-    except (ConfigError, StartError, OSError) as exc:
+    except (ConfigError, StartError, IdentityError, OSError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
 

@@ -8,26 +8,44 @@ import os
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from coordinator.auth import Authorizer, RevocationList
 from coordinator.config import JobConfig
 from coordinator.core import CoordinatorCore, FatalError
 from coordinator.servicer import CoordinatorServicer
 from coordinator.store import StoreError, write_atomic
 from wire.grpc_options import server_options
+from wire.identity import Bundle
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 
 log = logging.getLogger("isthmus.coordinator")
 TICK_S = 0.2
 
 
+@dataclass(frozen=True)
+class ServerTls:
+    """The coordinator's own bundle (certificate, key, job CA) and the CA's CRL file."""
+
+    bundle: Bundle
+    crl: Path | None = None
+
+
 class CoordinatorServer:
     """A coordinator serving one job until it finishes, fails or is stopped."""
 
-    def __init__(self, cfg: JobConfig, listen: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        listen: str | None = None,
+        tls: ServerTls | None = None,
+    ) -> None:
+        """``tls=None`` serves plaintext without authentication (``--insecure``)."""
         self.cfg = cfg
+        self.tls = tls
         self._lock = lock_state_dir(Path(cfg.state_dir))
         try:
             self._setup(cfg, listen)
@@ -46,15 +64,25 @@ class CoordinatorServer:
         )
         # The port first: a coordinator that cannot listen fails before touching its state.
         address = listen or cfg.server.listen
+        revocations = None
         try:
-            port = self.server.add_insecure_port(address)
+            if self.tls is None:
+                port = self.server.add_insecure_port(address)
+            else:
+                b = self.tls.bundle
+                revocations = RevocationList(self.tls.crl, b.ca)
+                creds = grpc.ssl_server_credentials(
+                    [(b.key, b.cert)], root_certificates=b.ca, require_client_auth=True
+                )
+                port = self.server.add_secure_port(address, creds)
         except RuntimeError:  # grpc raises RuntimeError("Failed to bind ...")
             port = 0
         if port == 0:
             raise OSError(f"cannot listen on {address} (address in use or not local?)")
         self.address = f"{address.rpartition(':')[0]}:{port}"
         self.core = CoordinatorCore(cfg)
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self.core), self.server)
+        servicer = CoordinatorServicer(self.core, Authorizer(revocations))
+        pb_grpc.add_CoordinatorServicer_to_server(servicer, self.server)
         self.exit_code = 0
 
     def run(self) -> int:

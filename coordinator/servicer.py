@@ -12,6 +12,7 @@ import logging
 
 import grpc
 
+from coordinator.auth import AuthError, Authorizer
 from coordinator.core import CoordinatorCore, Refused
 from coordinator.status import status_reply
 from wire.chunking import DEFAULT_CHUNK_BYTES, iter_chunks
@@ -30,6 +31,8 @@ STATUS_CODES = {
     "not_found": grpc.StatusCode.NOT_FOUND,
     "full": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "busy": grpc.StatusCode.UNAVAILABLE,
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "denied": grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -66,13 +69,27 @@ def lease_pb(lease, ttl_s: float) -> pb.Lease:
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, core: CoordinatorCore, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        core: CoordinatorCore,
+        authorizer: Authorizer,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
         self.core = core
+        self.authorizer = authorizer
         self.chunk_bytes = chunk_bytes
         self.ttl_s = core.cfg.timeouts.lease_ttl_s
 
+    def _auth(self, context, role: str, claimed_site: str | None = None) -> None:
+        """Nothing is looked at before the caller's certificate allows it."""
+        try:
+            self.authorizer.check(context.auth_context(), role, claimed_site)
+        except AuthError as exc:
+            raise Refused(exc.code, str(exc)) from exc
+
     @_refusals_to_status
     def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+        self._auth(context, "site", request.site)
         lease, info = self.core.join(request.site, request.capabilities.num_examples)
         return pb.JoinReply(
             lease=lease_pb(lease, self.ttl_s),
@@ -84,6 +101,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_refusals_to_status
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+        self._auth(context, "site", request.lease.site)
         p = request.progress
         progress = {
             "round": p.round,
@@ -96,6 +114,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_refusals_to_status
     def Fetch(self, request: pb.FetchRequest, context):
+        self._auth(context, "site", request.lease.site)
         version = request.version if request.HasField("version") else None
         pub = self.core.fetch(request.lease.site, request.lease.token, version, request.offset)
         yield pb.FetchMessage(
@@ -109,9 +128,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_refusals_to_status
     def Push(self, request_iterator, context) -> pb.PushReply:
+        self._auth(context, "site")
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("kind") != "header":
             raise Refused("invalid", "a push stream starts with a PushHeader")
+        self._auth(context, "site", first.header.lease.site)
         h = first.header
         header = {
             "round": h.round,
@@ -139,8 +160,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_refusals_to_status
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
+        self._auth(context, "site", request.lease.site)
         self.core.leave(request.lease.site, request.lease.token)
         return pb.LeaveReply()
 
+    @_refusals_to_status
     def Status(self, request: pb.StatusRequest, context) -> pb.StatusReply:
+        self._auth(context, "operator")
         return status_reply(self.core)

@@ -14,6 +14,9 @@ import os
 import sys
 from pathlib import Path
 
+from wire.channel import add_security_flags, bundle_from_flags
+from wire.identity import IdentityError
+
 USAGE_HINT = "see `siteclient start --help`"
 
 
@@ -54,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         help="give up reaching the coordinator after this long (default 120)",
     )
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    add_security_flags(s, "this site")
     return p
 
 
@@ -76,6 +80,10 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         raise UsageError(f"{exc}") from exc
     if nproc_per_node(launch) < 1:
         raise UsageError(f"--nproc-per-node must be a number >= 1, got {launch.nproc_per_node!r}")
+    try:
+        bundle = bundle_from_flags(args)
+    except IdentityError as exc:
+        raise UsageError(str(exc)) from exc
     run_dir = Path(args.run_dir or Path("runs") / args.site).absolute()
     cfg = AgentConfig(args.site, run_dir, default_shm_dir(args.site), args.inner_steps)
     client = CoordinatorClient(
@@ -83,6 +91,7 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         args.site,
         backoff=BackoffPolicy(initial_s=0.5, cap_s=10.0, deadline_s=args.connect_timeout),
         world_size=nproc_per_node(launch),
+        tls=bundle,
     )
     agent = SiteAgent(cfg, client)
     try:

@@ -17,8 +17,9 @@ import grpc
 import torch
 
 from wire.backoff import BackoffPolicy, retry
+from wire.channel import open_channel
 from wire.chunking import DEFAULT_CHUNK_BYTES, BufferSink, ChunkError, Reassembler, iter_chunks
-from wire.grpc_options import channel_options
+from wire.identity import Bundle
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.tensors import Manifest, PayloadError, pack, state_hash, unpack
@@ -59,7 +60,9 @@ class CoordinatorClient:
         rpc_timeout_s: float = 30.0,
         transfer_timeout_s: float = 3600.0,
         on_retry: Callable[[str, int, float, BaseException], None] | None = None,
+        tls: Bundle | None = None,
     ) -> None:
+        """``tls`` is the site's bundle (mutual TLS); ``None`` means plaintext (insecure)."""
         self.address = address
         self.site = site
         self.backoff = backoff or BackoffPolicy()
@@ -69,7 +72,7 @@ class CoordinatorClient:
         self.rpc_timeout_s = rpc_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.on_retry = on_retry
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.channel = open_channel(address, tls)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.lease: pb.Lease | None = None
         self.join_reply: pb.JoinReply | None = None

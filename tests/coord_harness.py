@@ -131,7 +131,17 @@ def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
 class CoordinatorProcess:
     """One ``coordinator serve`` process on a job config; restartable on the same state."""
 
-    def __init__(self, config_path: Path, state_dir: Path, log_path: Path) -> None:
+    def __init__(
+        self,
+        config_path: Path,
+        state_dir: Path,
+        log_path: Path,
+        tls_dir: Path | None = None,
+        crl: Path | None = None,
+    ) -> None:
+        """Plaintext (``--insecure``) unless ``tls_dir`` names the coordinator's bundle."""
+        self.tls_dir = tls_dir
+        self.crl = crl
         self.config_path = Path(config_path)
         self.state_dir = Path(state_dir)
         self.log_path = Path(log_path)
@@ -150,6 +160,9 @@ class CoordinatorProcess:
         address_file = self.state_dir / "address"
         address_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(self.config_path)]
+        cmd += ["--tls-dir", str(self.tls_dir)] if self.tls_dir else ["--insecure"]
+        if self.crl:
+            cmd += ["--crl", str(self.crl)]
         if listen:
             cmd += ["--listen", listen]
         self.starts += 1
@@ -175,7 +188,8 @@ class CoordinatorProcess:
                 text = address_file.read_text().strip()
                 if text:
                     self.address = text
-                    wait_serving(self.address)
+                    if self.tls_dir is None:  # the address file is written once it serves
+                        wait_serving(self.address)
                     return self.address
             if self.proc.poll() is not None:
                 raise RuntimeError(

@@ -18,7 +18,11 @@ pytestmark = pytest.mark.e2e
 
 def one_line_error(result) -> str:
     assert result.returncode != 0, result
-    lines = result.stderr.strip().splitlines()
+    lines = [
+        line
+        for line in result.stderr.strip().splitlines()
+        if not line.startswith("WARNING: --insecure")  # asked for, so said once
+    ]
     assert len(lines) == 1, f"expected a one-line error, got:\n{result.stderr}"
     assert "Traceback" not in result.stderr
     return lines[0]
@@ -26,7 +30,7 @@ def one_line_error(result) -> str:
 
 def serve(tmp_path, cfg: dict, *extra: str):
     path = h.write_config(tmp_path, cfg)
-    return h.run_cli("serve", "--config", str(path), *extra)
+    return h.run_cli("serve", "--config", str(path), "--insecure", *extra)
 
 
 def _without(cfg: dict, table: str, key: str) -> dict:
@@ -100,7 +104,7 @@ def test_bad_command_lines(argv, words):
 
 def test_status_of_an_unreachable_coordinator():
     address = f"127.0.0.1:{h.free_port()}"
-    result = h.run_cli("status", "--coordinator", address, "--timeout", "3")
+    result = h.run_cli("status", "--coordinator", address, "--timeout", "3", "--insecure")
     assert result.returncode != 0
     line = one_line_error(result)
     assert address in line and "UNAVAILABLE" in line, line
@@ -128,7 +132,7 @@ def running(tmp_path_factory):
 
 
 def test_status_prints_round_and_sites(running):
-    result = h.run_cli("status", "--coordinator", running.address)
+    result = h.run_cli("status", "--coordinator", running.address, "--insecure")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "job cli-job" in out and "round 0/4" in out, out
@@ -142,7 +146,9 @@ def test_status_prints_round_and_sites(running):
 
 
 def test_second_coordinator_on_the_same_state_is_refused(running):
-    result = h.run_cli("serve", "--config", str(running.config_path), "--listen", "127.0.0.1:0")
+    result = h.run_cli(
+        "serve", "--config", str(running.config_path), "--listen", "127.0.0.1:0", "--insecure"
+    )
     assert result.returncode == 2
     line = one_line_error(result)
     assert "in use by another coordinator" in line and str(running.state_dir) in line, line
@@ -160,6 +166,7 @@ def test_serve_on_a_port_in_use(running, tmp_path):
         str(tmp_path / "other-state"),
         "--listen",
         running.address,
+        "--insecure",
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr

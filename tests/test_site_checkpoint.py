@@ -97,6 +97,8 @@ _WORKER = textwrap.dedent(
     snap["after"] = get_model_state_dict(model, options=full)
     if rank == 0:
         torch.save(snap, out)
+    # Leave together: a rank tearing gloo down while a peer still talks to it can abort.
+    dist.barrier()
     dist.destroy_process_group()
     """
 )

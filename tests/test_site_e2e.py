@@ -1,4 +1,5 @@
-"""A real job: a coordinator and two `siteclient start` agents, each with 2 FSDP2 trainers.
+"""A real job over mutual TLS: a coordinator and two `siteclient start` agents, each with 2
+FSDP2 trainers.
 
 One trainer of site-0 is killed with SIGKILL in the middle of round 1 (fault injection keyed
 by site, round, step and rank); the elastic launcher restarts the site's trainers, they resume
@@ -16,7 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from coord_harness import REPO, job_config, start_coordinator, subprocess_env
+from coord_harness import REPO, CoordinatorProcess, job_config, subprocess_env, write_config
+
+from wire.identity import init_ca, issue
 
 pytestmark = pytest.mark.e2e
 
@@ -26,6 +29,7 @@ ROUNDS = 3
 
 def start_site(tmp: Path, address: str, index: int, env: dict) -> subprocess.Popen:
     site = f"site-{index}"
+    issue(tmp / "ca", "site", site, tmp / "pki" / site)
     log = open(tmp / f"{site}.log", "w")  # noqa: SIM115 - owned by the child
     cmd = [
         sys.executable,
@@ -38,6 +42,8 @@ def start_site(tmp: Path, address: str, index: int, env: dict) -> subprocess.Pop
         site,
         "--run-dir",
         str(tmp / site),
+        "--tls-dir",
+        str(tmp / "pki" / site),
         "--nproc-per-node",
         "2",
         "--connect-timeout",
@@ -81,7 +87,21 @@ def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
         },
         timeouts={"heartbeat_interval_s": 0.5, "lease_ttl_s": 30.0},
     )
-    coord = start_coordinator(tmp_path, cfg)
+    init_ca(tmp_path / "ca", "site-e2e")
+    issue(
+        tmp_path / "ca",
+        "coordinator",
+        "coordinator",
+        tmp_path / "pki" / "coord",
+        hosts=("127.0.0.1",),
+    )
+    coord = CoordinatorProcess(
+        write_config(tmp_path, cfg),
+        tmp_path / "state",
+        tmp_path / "coordinator.log",
+        tls_dir=tmp_path / "pki" / "coord",
+    )
+    coord.start()
     env = subprocess_env()
     env["ISTHMUS_FAULTS"] = "site=site-0,round=1,step=3,rank=1,action=kill"
     sites = [start_site(tmp_path, coord.address, i, env) for i in range(2)]

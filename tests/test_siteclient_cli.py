@@ -67,10 +67,40 @@ def test_bad_command_line_exits_with_one_line(args, expected):
     assert expected in lines[0]
 
 
+def test_tls_is_required_unless_insecure_is_asked_for(tmp_path):
+    result = siteclient("start", "--coordinator", "127.0.0.1:1", "--site", "a", "--", TRAIN)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "mutual TLS is required" in line and "--tls-dir" in line and "--insecure" in line
+    result = siteclient(
+        "start",
+        "--coordinator",
+        "127.0.0.1:1",
+        "--site",
+        "a",
+        "--tls-dir",
+        str(tmp_path / "nothing"),
+        "--",
+        TRAIN,
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "cannot read cert.pem" in line
+
+
 def test_unreachable_coordinator_is_retried_then_reported():
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     result = siteclient(
-        "start", "--coordinator", address, "--site", "a", "--connect-timeout", "3", "--", TRAIN
+        "start",
+        "--coordinator",
+        address,
+        "--site",
+        "a",
+        "--insecure",
+        "--connect-timeout",
+        "3",
+        "--",
+        TRAIN,
     )
     assert result.returncode == 1
     retries = [line for line in result.stderr.splitlines() if "join failed" in line]

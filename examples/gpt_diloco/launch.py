@@ -36,6 +36,50 @@ def read_metrics(run: Path, sites: list[str]) -> list[dict]:
     return records
 
 
+class StatusWatcher:
+    """Prints a line when the coordinator's round changes (an operator's Status call)."""
+
+    def __init__(self, address: str, operator_bundle: Path) -> None:
+        from wire.channel import open_channel
+        from wire.identity import Bundle
+        from wire.proto import isthmus_pb2_grpc as pb_grpc
+
+        self.stub = pb_grpc.CoordinatorStub(open_channel(address, Bundle.load(operator_bundle)))
+        self.last: tuple | None = None
+
+    def show(self, elapsed: float) -> None:
+        from wire.proto import isthmus_pb2 as pb
+
+        try:
+            s = self.stub.Status(pb.StatusRequest(), timeout=2)
+        except Exception:  # not up yet, or already gone: nothing to show
+            return
+        key = (s.round.round, s.round.finished)
+        if key != self.last:
+            self.last = key
+            state = "finished" if s.round.finished else f"open, {s.waiting_reason}"
+            print(
+                f"[{elapsed:6.1f}s] coordinator round {s.round.round}/{s.round.total_rounds} "
+                f"{state}; WAN in {s.wan_bytes_in / 1e6:.1f} MB out "
+                f"{s.wan_bytes_out / 1e6:.1f} MB",
+                flush=True,
+            )
+
+
+def make_pki(pki: Path, sites: list[str]) -> Path:
+    """The job's CA and every party's bundle, made with the same commands a user runs."""
+    cli = [sys.executable, "-m", "coordinator.cli", "certs"]
+    steps = [
+        ["init", "--out", str(pki), "--job", "gpt-diloco"],
+        ["server", "--ca", str(pki), "--host", "127.0.0.1", "--host", "localhost"],
+        ["operator", "--ca", str(pki), "--name", "demo-operator"],
+        *(["issue", "--ca", str(pki), "--site", site] for site in sites),
+    ]
+    for step in steps:
+        subprocess.run([*cli, *step], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    return pki
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sites", type=int, default=3)
@@ -58,27 +102,17 @@ def main(argv=None) -> int:
         logs.append(log)
         procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
+    sites = [f"site-{i}" for i in range(args.sites)]
+    pki = make_pki(run / "pki", sites)
     print(
-        f"isthmus demo: coordinator on {address}, {args.sites} sites x "
-        f"{args.nproc_per_node} FSDP2 trainers; logs in {run}",
+        f"isthmus demo: coordinator on {address} (mutual TLS, certificates in {pki}), "
+        f"{args.sites} sites x {args.nproc_per_node} FSDP2 trainers; logs in {run}",
         flush=True,
     )
-    spawn(
-        "coordinator",
-        [
-            py,
-            "-m",
-            "coordinator.cli",
-            "serve",
-            "--config",
-            args.config,
-            "--listen",
-            address,
-            "--state-dir",
-            str(run / "coordinator"),
-        ],
-    )
-    sites = [f"site-{i}" for i in range(args.sites)]
+    serve = ["serve", "--config", args.config, "--listen", address]
+    serve += ["--state-dir", str(run / "coordinator")]
+    serve += ["--tls-dir", str(pki / "coordinator"), "--crl", str(pki / "crl.pem")]
+    spawn("coordinator", [py, "-m", "coordinator.cli", *serve])
     for i, site in enumerate(sites):
         spawn(
             site,
@@ -93,6 +127,8 @@ def main(argv=None) -> int:
                 site,
                 "--run-dir",
                 str(run / site),
+                "--tls-dir",
+                str(pki / "sites" / site),
                 "--nproc-per-node",
                 str(args.nproc_per_node),
                 "--",
@@ -106,6 +142,7 @@ def main(argv=None) -> int:
 
     started = time.monotonic()
     shown: set[tuple] = set()
+    watcher = StatusWatcher(address, pki / "operators" / "demo-operator")
     try:
         while any(procs[s].poll() is None for s in sites):
             if time.monotonic() - started > args.timeout:
@@ -129,6 +166,7 @@ def main(argv=None) -> int:
                         f"round {rec.get('round')}: {values}",
                         flush=True,
                     )
+            watcher.show(time.monotonic() - started)
             time.sleep(0.5)
         procs["coordinator"].wait(timeout=60)
     finally:
