@@ -11,6 +11,8 @@ import inspect
 import logging
 
 import grpc
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from coordinator.auth import AuthError, Authorizer
 from coordinator.core import CoordinatorCore, Refused
@@ -64,6 +66,34 @@ def _refusals_to_status(method):
     return unary
 
 
+def unknown_field_path(msg: Message, path: str = "") -> str | None:
+    """Where ``msg`` carries fields this protocol version does not define, if anywhere.
+
+    Refusing them keeps a newer or hostile peer from smuggling meaning past this server.
+    """
+    name = path or type(msg).__name__
+    if len(UnknownFieldSet(msg)):
+        return name
+    for field, value in msg.ListFields():
+        if field.type != field.TYPE_MESSAGE:
+            continue
+        items = value if field.label == field.LABEL_REPEATED else [value]
+        for i, item in enumerate(items):
+            found = unknown_field_path(
+                item,
+                f"{name}.{field.name}" + (f"[{i}]" if field.label == field.LABEL_REPEATED else ""),
+            )
+            if found:
+                return found
+    return None
+
+
+def refuse_unknown_fields(msg: Message) -> None:
+    where = unknown_field_path(msg)
+    if where:
+        raise Refused("invalid", f"{where} has fields this coordinator does not know")
+
+
 def lease_pb(lease, ttl_s: float) -> pb.Lease:
     return pb.Lease(site=lease.site, lease_id=lease.token, token=lease.token, ttl_s=ttl_s)
 
@@ -90,6 +120,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @_refusals_to_status
     def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
         self._auth(context, "site", request.site)
+        refuse_unknown_fields(request)
         lease, info = self.core.join(request.site, request.capabilities.num_examples)
         return pb.JoinReply(
             lease=lease_pb(lease, self.ttl_s),
@@ -102,6 +133,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @_refusals_to_status
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         self._auth(context, "site", request.lease.site)
+        refuse_unknown_fields(request)
         p = request.progress
         progress = {
             "round": p.round,
@@ -115,6 +147,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @_refusals_to_status
     def Fetch(self, request: pb.FetchRequest, context):
         self._auth(context, "site", request.lease.site)
+        refuse_unknown_fields(request)
         version = request.version if request.HasField("version") else None
         pub = self.core.fetch(request.lease.site, request.lease.token, version, request.offset)
         yield pb.FetchMessage(
@@ -133,6 +166,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if first is None or first.WhichOneof("kind") != "header":
             raise Refused("invalid", "a push stream starts with a PushHeader")
         self._auth(context, "site", first.header.lease.site)
+        refuse_unknown_fields(first)
         h = first.header
         header = {
             "round": h.round,
@@ -147,6 +181,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             for msg in request_iterator:
                 if msg.WhichOneof("kind") != "chunk":
                     raise Refused("invalid", "a push stream carries one header, then only chunks")
+                refuse_unknown_fields(msg)
                 self.core.upload_chunk(upload, msg.chunk.offset, msg.chunk.data)
             if not self.core.finish_upload(upload, h.lease.token):
                 return pb.PushReply(
@@ -161,10 +196,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @_refusals_to_status
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
         self._auth(context, "site", request.lease.site)
+        refuse_unknown_fields(request)
         self.core.leave(request.lease.site, request.lease.token)
         return pb.LeaveReply()
 
     @_refusals_to_status
     def Status(self, request: pb.StatusRequest, context) -> pb.StatusReply:
         self._auth(context, "operator")
+        refuse_unknown_fields(request)
         return status_reply(self.core)
