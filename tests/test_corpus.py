@@ -14,15 +14,6 @@ from examples.gpt_diloco.model import build_model
 SEQ = 32
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Two intra-op threads on two shared cores slow these tiny models down many times over.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def corpus():
     return load_corpus(CorpusConfig(seq_len=SEQ))

@@ -19,15 +19,6 @@ from examples.gpt_diloco.model import (
 SMALL = {"seq_len": 32, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Two intra-op threads on two shared cores slow these tiny models down many times over.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _expected_parameters(c: GPTConfig) -> int:
     d, f = c.d_model, c.d_ff
     block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)

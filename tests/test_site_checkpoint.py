@@ -34,15 +34,6 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = {"seq_len": 32, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Two intra-op threads on two shared cores slow these tiny models down many times over.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # Trains 2 steps and saves ("save"), or loads into a freshly initialised model ("load"); then
 # snapshots the full model/optimiser state, takes one more step and snapshots the parameters.
 _WORKER = textwrap.dedent(
