@@ -20,6 +20,11 @@ Example::
     lr = 0.7
     momentum = 0.9
 
+    [aggregation]            # optional: robust aggregation, before any strategy's step
+    method = "mean"          # or "median", "trimmed_mean"
+    clip_norm = 0.0          # > 0: scale each update to at most this L2 norm
+    outlier_zscore = 0.0     # > 0: reject updates whose norm is an outlier (modified z-score)
+
     [rounds]
     total = 10
     inner_steps = 50         # H
@@ -63,6 +68,17 @@ class StrategyConfig:
 
 
 @dataclass(frozen=True)
+class AggregationConfig:
+    """How the round's updates are screened and combined (see ``strategies/robust.py``)."""
+
+    method: str = "mean"
+    trim_fraction: float = 0.2
+    clip_norm: float = 0.0
+    outlier_zscore: float = 0.0
+    max_buffer_bytes: int = 8 << 30
+
+
+@dataclass(frozen=True)
 class RoundsConfig:
     total: int = 10
     inner_steps: int = 50
@@ -95,6 +111,7 @@ class JobConfig:
     timeouts: TimeoutsConfig
     server: ServerConfig
     source_toml: bytes = b""
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
 
 
 class _Table:
@@ -187,6 +204,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
     strategy_name = s.get("name", str, "diloco", check=_non_empty)
     params = {k: v for k, v in s.data.items() if k != "name"}
     strategy = StrategyConfig(strategy_name, params)
+    aggregation = _parse_aggregation(root.table("aggregation"))
 
     r = root.table("rounds")
     rounds = RoundsConfig(
@@ -227,7 +245,46 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
     )
     sv.reject_unknown()
     root.reject_unknown()
-    return JobConfig(name, state_dir, model, strategy, rounds, timeouts, server, source)
+    return JobConfig(
+        name, state_dir, model, strategy, rounds, timeouts, server, source, aggregation
+    )
+
+
+AGGREGATION_METHODS = ("mean", "median", "trimmed_mean")
+
+
+def _parse_aggregation(a: _Table) -> AggregationConfig:
+    method = a.get(
+        "method",
+        str,
+        "mean",
+        check=lambda v: (
+            None if v in AGGREGATION_METHODS else f"must be one of {AGGREGATION_METHODS}"
+        ),
+    )
+    if "trim_fraction" in a.data and method != "trimmed_mean":
+        raise ConfigError(
+            f"aggregation.trim_fraction: only used with method = 'trimmed_mean' (method is "
+            f"{method!r})"
+        )
+    cfg = AggregationConfig(
+        method=method,
+        trim_fraction=a.get(
+            "trim_fraction",
+            float,
+            0.2,
+            check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)",
+        ),
+        clip_norm=a.get("clip_norm", float, 0.0, check=_non_negative),
+        outlier_zscore=a.get("outlier_zscore", float, 0.0, check=_non_negative),
+        max_buffer_bytes=a.get("max_buffer_bytes", int, 8 << 30, check=_positive),
+    )
+    a.reject_unknown()
+    return cfg
+
+
+def _non_negative(v: float) -> str | None:
+    return None if v >= 0 and v != float("inf") else "must be a finite number >= 0 (0 = off)"
 
 
 def _check_listen(v: str) -> str | None:

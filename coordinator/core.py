@@ -9,85 +9,38 @@ servicer is a thin translation layer over it.
 from __future__ import annotations
 
 import logging
-import math
-import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-
-import torch
+from dataclasses import replace
 
 from coordinator.config import JobConfig
+from coordinator.intake import UpdateIntake
 from coordinator.leases import LeaseError, LeaseTable
 from coordinator.model_source import initial_theta, trainable_names
-from coordinator.rounds import (
-    RoundOptions,
-    RoundState,
-    UpdateRefused,
-    admit_latecomers,
-    admit_update,
-    decide_close,
-    next_round,
-    open_round,
-    record_update,
-    waiting_reason,
+from coordinator.records import (
+    Published,
+    Refused,
+    SiteRecord,
+    check_name,
 )
-from coordinator.spool import SpooledUpdate, UpdateSpool, read_tensors, weighted_mean
+from coordinator.round_clock import RoundClock
+from coordinator.rounds import RoundOptions, RoundState, record_update
+from coordinator.spool import SpooledUpdate, UpdateSpool
 from coordinator.store import Checkpoint, CheckpointStore, StoreError
-from coordinator.uploads import (
-    Upload,
-    UploadBusy,
-    UploadConflict,
-    UploadTable,
-    check_update_manifest,
-)
-from strategies import Aggregate, load_strategy
-from wire.chunking import ChunkError
-from wire.tensors import Manifest, PayloadError, pack, state_hash
+from coordinator.uploads import UploadTable
+from strategies import RobustAggregator, load_strategy
+from strategies.base import call_hook
+from wire.tensors import pack, state_hash
 
 log = logging.getLogger("isthmus.coordinator")
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
-class Refused(Exception):
-    """A request refused without any change of state. ``code`` picks the gRPC status."""
+class CoordinatorCore(UpdateIntake, RoundClock):
+    """The coordinator's state; uploads are handled by ``UpdateIntake``, rounds by
+    ``RoundClock``."""
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class FatalError(RuntimeError):
-    """The job cannot go on (e.g. the strategy failed); the last checkpoint is intact."""
-
-
-def check_name(kind: str, value: str) -> None:
-    if not NAME_RE.match(value):
-        raise Refused(
-            "invalid",
-            f"{kind} {value[:70]!r} is invalid: use 1-63 letters, digits, '.', '_' or '-'",
-        )
-
-
-@dataclass
-class SiteRecord:
-    state: str = "active"
-    last_heartbeat: float = 0.0
-    last_update_at: float | None = None
-    last_round_pushed: int | None = None
-    progress: dict | None = None
-
-
-@dataclass(frozen=True)
-class Published:
-    version: int
-    theta_hash: bytes
-    manifest: Manifest
-    payload: memoryview
-
-
-class CoordinatorCore:
     def __init__(self, cfg: JobConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.clock = clock
@@ -97,6 +50,8 @@ class CoordinatorCore:
         self.spool = UpdateSpool(cfg.state_dir / "spool")
         self.epoch = self.store.next_epoch()
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
+        self.aggregator = RobustAggregator.from_config(cfg.aggregation)
+        self.rejections: deque[str] = deque(maxlen=20)  # shown by `coordinator status`
         self.opts = RoundOptions(
             cfg.rounds.min_sites,
             cfg.rounds.max_sites,
@@ -112,6 +67,9 @@ class CoordinatorCore:
         self.bytes_out = 0
         self.last_close_reason = ""
         self._restore()
+        # Before any round: a job whose updates cannot be combined within memory stops here.
+        like = {n: self.theta[n] for n in self.trainable}
+        self.aggregator.check(self.strategy, cfg.rounds.max_sites, like)
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -128,7 +86,10 @@ class CoordinatorCore:
                 f"not {self.cfg.name!r}: use another job.state_dir"
             )
         else:
-            self.strategy.load_state_dict(ckpt.strategy_state)
+            call_hook(self.strategy, "load_state_dict", ckpt.strategy_state)
+            closed = ckpt.meta.get("closed_round", {})
+            for site, reason in sorted(closed.get("rejected", {}).items()):
+                self.rejections.append(f"round {closed['number']}: {site}: {reason}")
             log.info("resumed job %r at round %d (epoch %d)", self.cfg.name, ckpt.round, self.epoch)
         self.theta = ckpt.theta
         self.trainable = trainable_names(self.theta)
@@ -145,7 +106,7 @@ class CoordinatorCore:
             for update in self.spool.completed(ckpt.round):
                 self.accepted[update.site] = update
                 self.round = record_update(self.round, update.site, update.weight)
-            self.strategy.begin_round(self.round.number, self.theta)
+            call_hook(self.strategy, "begin_round", self.round.number, self.theta)
             log.info("round %d replays with %d spooled update(s)", ckpt.round, len(self.accepted))
         else:
             # Between rounds, or after the last one (the sites still fetch the final theta):
@@ -247,196 +208,6 @@ class CoordinatorCore:
             )
         return pub
 
-    # ---- updates --------------------------------------------------------------------------
-
-    def begin_upload(self, site: str, token: int, header: dict) -> Upload:
-        check_name("upload_id", header["upload_id"])
-        weight = header["weight"]
-        if not (math.isfinite(weight) and 0 < weight <= 1e15):
-            raise Refused("invalid", f"weight must be a finite number > 0, got {weight}")
-        with self.lock:
-            self._lease(site, token)
-            self._admit(site, header["round"])
-            if header["base_version"] != self.published.version:
-                raise Refused(
-                    "invalid",
-                    f"update was trained from version {header['base_version']}, "
-                    f"round {header['round']} trains from version {self.published.version}",
-                )
-        try:
-            manifest = Manifest.from_proto(header["manifest"], self.cfg.server.max_update_bytes)
-            check_update_manifest(manifest, self.theta, self.trainable)
-        except PayloadError as exc:
-            raise Refused("invalid", f"bad update manifest: {exc}") from exc
-        try:
-            return self.uploads.begin(site, header["round"], header["upload_id"], manifest, weight)
-        except UploadConflict as exc:
-            raise Refused("invalid", str(exc)) from exc
-        except UploadBusy as exc:
-            raise Refused("busy", str(exc)) from exc
-
-    def upload_chunk(self, upload: Upload, offset: int, data: bytes) -> None:
-        try:
-            upload.add(offset, data)
-        except ChunkError as exc:
-            raise Refused("invalid", f"upload {upload.upload_id}: {exc}") from exc
-        with self.lock:
-            self.bytes_in += len(data)
-
-    def finish_upload(self, upload: Upload, token: int) -> bool:
-        """Count a fully received upload; returns False if bytes are still missing."""
-        if not upload.complete:
-            return False
-        try:
-            upload.verify()
-            for name, t in read_tensors(upload.path, upload.manifest):
-                if not bool(torch.isfinite(t).all()):
-                    raise ChunkError(f"tensor {name!r} contains NaN or Inf values")
-        except ChunkError as exc:
-            self.uploads.discard(upload)
-            raise Refused("invalid", f"update from {upload.site} refused: {exc}") from exc
-        with self.lock:
-            try:
-                self._lease(upload.site, token)
-                self._admit(upload.site, upload.round)
-            except Refused:
-                self.uploads.discard(upload)
-                raise
-            weight = self.strategy.update_weight(upload.site, upload.weight)
-            spooled = self.spool.commit(
-                upload.round, upload.site, upload.upload_id, upload.manifest, weight
-            )
-            self.uploads.forget(upload)
-            self.accepted[upload.site] = spooled
-            self.round = record_update(self.round, upload.site, weight)
-            record = self.sites.setdefault(upload.site, SiteRecord())
-            record.last_update_at, record.last_round_pushed = self.clock(), upload.round
-            log.info(
-                "round %d: update from %s counted (weight %g)", upload.round, upload.site, weight
-            )
-            self.wake.notify_all()
-        return True
-
-    def count_sent(self, n: int) -> None:
-        with self.lock:
-            self.bytes_out += n
-
-    def _admit(self, site: str, round_number: int) -> None:
-        try:
-            admit_update(self.round, site, round_number)
-        except UpdateRefused as exc:
-            raise Refused(exc.code, str(exc)) from exc
-
-    # ---- the round clock ------------------------------------------------------------------
-
-    def tick(self) -> bool:
-        """Advance membership and the round; returns True if a round was closed."""
-        with self.lock:
-            if self.finished or self.fatal:
-                return False
-            now = self.clock()
-            for site in self.leases.expire(now):
-                self.sites.setdefault(site, SiteRecord()).state = "expired"
-                log.warning("lease of site %s expired", site)
-            live = self.leases.live(now)
-            was_open = self.round.opened_at is not None
-            self.round = open_round(now, self.round, live, self.opts)
-            if not was_open and self.round.opened_at is not None:
-                self.spool.write_round(
-                    self.round.number, {"participants": sorted(self.round.participants)}
-                )
-                self.strategy.begin_round(self.round.number, self.theta)
-                log.info(
-                    "round %d open with %s",
-                    self.round.number,
-                    ", ".join(sorted(self.round.participants)),
-                )
-            before = self.round.participants
-            self.round = admit_latecomers(now, self.round, live, self.opts)
-            if self.round.participants != before:
-                self.spool.write_round(
-                    self.round.number, {"participants": sorted(self.round.participants)}
-                )
-                log.warning(
-                    "round %d is past its deadline below quorum; admitting %s",
-                    self.round.number,
-                    ", ".join(sorted(self.round.participants - before)),
-                )
-            decision = decide_close(now, self.round, live, self.opts)
-            if not decision.act:
-                return False
-            self.round = replace(self.round, closed=True)
-            updates = [self.accepted[s] for s in sorted(self.accepted)]
-            closing = self.round
-        self._close(closing, updates, decision.reason)
-        return True
-
-    def _close(self, state: RoundState, updates: list[SpooledUpdate], reason: str) -> None:
-        started = time.monotonic()
-        like = {n: self.theta[n] for n in self.trainable}
-        try:
-            mean, total = weighted_mean(updates, like)
-            agg = Aggregate(mean, total, {u.site: u.weight for u in updates}, state.number)
-            new_theta = self.strategy.outer_step(self.theta, agg)
-            _check_theta(self.theta, new_theta)
-        except Exception as exc:
-            with self.lock:
-                self.fatal = f"outer step of round {state.number} failed: {exc}"
-            log.exception("outer step failed; the last checkpoint is unchanged")
-            raise FatalError(self.fatal) from exc
-        ckpt = Checkpoint(
-            state.number + 1,
-            new_theta,
-            self.strategy.state_dict(),
-            {
-                "job": self.cfg.name,
-                "closed_round": {
-                    "number": state.number,
-                    "reason": reason,
-                    "sites": sorted(agg.weights),
-                },
-            },
-        )
-        self.store.save(ckpt)
-        with self.lock:
-            self.theta = new_theta
-            self.round = next_round(state)
-            self.accepted = {}
-            self.last_close_reason = reason
-            self._publish()
-            self.wake.notify_all()
-        self.uploads.drop_rounds_before(state.number + 1)
-        self.spool.drop_rounds_before(state.number + 1)
-        log.info(
-            "round %d closed (%s): %d update(s), outer step + checkpoint in %.2fs; theta_%d %s",
-            state.number,
-            reason,
-            len(updates),
-            time.monotonic() - started,
-            state.number + 1,
-            self.published.theta_hash.hex()[:12],
-        )
-
-    def waiting_reason(self) -> str:
-        with self.lock:
-            if self.fatal:
-                return self.fatal
-            if self.finished:
-                return f"job finished after {self.cfg.rounds.total} rounds"
-            return waiting_reason(
-                self.clock(), self.round, self.leases.live(self.clock()), self.opts
-            )
-
 
 def _keep(record: SiteRecord | None, *names: str) -> dict:
     return {n: getattr(record, n) for n in names} if record else {}
-
-
-def _check_theta(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
-    if new.keys() != old.keys():
-        raise ValueError(f"outer_step changed the tensor names: {sorted(new.keys() ^ old.keys())}")
-    for name, t in new.items():
-        if t.shape != old[name].shape or t.dtype != old[name].dtype:
-            raise ValueError(f"outer_step changed shape or dtype of {name!r}")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"outer_step produced NaN or Inf in {name!r}")

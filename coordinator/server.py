@@ -15,7 +15,8 @@ import grpc
 
 from coordinator.auth import Authorizer, RevocationList
 from coordinator.config import JobConfig
-from coordinator.core import CoordinatorCore, FatalError
+from coordinator.core import CoordinatorCore
+from coordinator.records import FatalError
 from coordinator.servicer import CoordinatorServicer
 from coordinator.store import StoreError, write_atomic
 from wire.grpc_options import server_options

@@ -15,7 +15,8 @@ from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from coordinator.auth import AuthError, Authorizer
-from coordinator.core import CoordinatorCore, Refused
+from coordinator.core import CoordinatorCore
+from coordinator.records import Refused
 from coordinator.status import status_reply
 from wire.chunking import DEFAULT_CHUNK_BYTES, iter_chunks
 from wire.proto import isthmus_pb2 as pb

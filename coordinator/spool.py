@@ -11,7 +11,9 @@ run to run. Summing verified updates in site-name order at round close makes the
 function of the set of updates alone: the same after a coordinator crash and replay, bit for bit.
 The sum still streams: one tensor of one update is read (memory-mapped) at a time, so memory is
 about one model for the accumulator whatever the number of sites. Spooled updates also survive a
-coordinator crash, so the round in flight resumes without sites sending them again.
+coordinator crash, so the round in flight resumes without sites sending them again. Robust
+aggregation (median, trimmed mean, clipping) and strategies that take every update read the
+same files, memory-mapped, through ``SpooledUpdate.as_site_update``.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from coordinator.store import fsync_dir
+from strategies.base import SiteUpdate
+from strategies.robust import weighted_mean_of
 from wire.tensors import DTYPES, Manifest, TensorEntry
 
 # Site names start with a letter or digit, so no site's "SITE.json" can be this file.
@@ -38,6 +43,10 @@ class SpooledUpdate:
     weight: float
     path: Path
     manifest: Manifest
+
+    def as_site_update(self) -> SiteUpdate:
+        """The update as strategies see it: its tensors memory-mapped only when read."""
+        return SiteUpdate(self.site, self.weight, partial(read_tensors, self.path, self.manifest))
 
 
 def _entries_to_json(manifest: Manifest) -> list[dict]:
@@ -164,14 +173,4 @@ def weighted_mean(
     updates: list[SpooledUpdate], like: dict[str, torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor], float]:
     """``sum_i w_i delta_i / sum_i w_i`` in float32, summed in site-name order."""
-    acc = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in like.items()}
-    total = 0.0
-    for update in sorted(updates, key=lambda u: u.site):
-        for name, delta in read_tensors(update.path, update.manifest):
-            acc[name].add_(delta.to(torch.float32), alpha=update.weight)
-        total += update.weight
-    if total <= 0:
-        raise ValueError("no update weight to average")
-    for t in acc.values():
-        t.div_(total)
-    return acc, total
+    return weighted_mean_of([u.as_site_update() for u in updates], like)

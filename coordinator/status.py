@@ -43,6 +43,8 @@ def status_reply(core) -> pb.StatusReply:
             strategy=core.strategy.describe(),
             wan_bytes_in=core.bytes_in,
             wan_bytes_out=core.bytes_out,
+            rejections=list(core.rejections),
+            aggregation=core.aggregator.describe(),
         )
     reply.waiting_reason = core.waiting_reason()
     return reply
@@ -59,12 +61,16 @@ def format_status(s: pb.StatusReply) -> str:
     lines = [
         f"job {s.job_name}  round {r.round}/{r.total_rounds}"
         + ("  (finished)" if r.finished else "")
-        + f"  theta {r.theta_hash.hex()[:12]}  strategy {s.strategy}",
+        + f"  theta {r.theta_hash.hex()[:12]}  strategy {s.strategy}"
+        + (f"  aggregation {s.aggregation}" if s.aggregation and s.aggregation != "mean" else ""),
         f"updates {s.updates_received}/{s.updates_expected}  round age {s.round_age_s:.1f}s  "
         f"WAN in {s.wan_bytes_in / 1e6:.1f} MB out {s.wan_bytes_out / 1e6:.1f} MB",
         f"state: {s.waiting_reason}",
-        "",
     ]
+    if s.rejections:
+        lines.append(f"rejected updates ({len(s.rejections)} most recent):")
+        lines += [f"  {x}" for x in s.rejections]
+    lines.append("")
     header = ("SITE", "STATE", "TOKEN", "LEASE LEFT", "HEARTBEAT", "LAST UPDATE", "PUSHED", "PHASE")
     rows = [
         (

@@ -1,8 +1,26 @@
 """Outer-loop strategies: what the coordinator does with the sites' pseudo-gradients."""
 
-from strategies.base import Aggregate, Strategy, StrategyError
+from strategies.base import Aggregate, SiteUpdate, Strategy, StrategyError
 from strategies.diloco import DiLoCo
 from strategies.fedavg import FedAvg
-from strategies.loader import load_strategy
+from strategies.fedavgm import FedAvgM
+from strategies.fedopt import FedAdagrad, FedAdam, FedYogi
+from strategies.loader import BUILTINS, load_strategy
+from strategies.robust import AggregationError, RobustAggregator
 
-__all__ = ["Aggregate", "DiLoCo", "FedAvg", "Strategy", "StrategyError", "load_strategy"]
+__all__ = [
+    "BUILTINS",
+    "Aggregate",
+    "AggregationError",
+    "DiLoCo",
+    "FedAdagrad",
+    "FedAdam",
+    "FedAvg",
+    "FedAvgM",
+    "FedYogi",
+    "RobustAggregator",
+    "SiteUpdate",
+    "Strategy",
+    "StrategyError",
+    "load_strategy",
+]

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from strategies.base import Aggregate, Strategy, Tensors, apply_in_float32
+from strategies.base import Aggregate, Strategy, Tensors
+from strategies.momentum import OuterMomentum
 
 
 @dataclass(frozen=True)
@@ -41,34 +40,18 @@ class DiLoCo(Strategy):
 
     def __init__(self, config: DiLoCoConfig | None = None) -> None:
         super().__init__(config or DiLoCoConfig())
-        self.momentum: Tensors = {}
+        self.outer = OuterMomentum()
 
     def update_weight(self, site: str, reported_weight: float) -> float:
         return reported_weight if self.config.weighted else 1.0
 
     def outer_step(self, theta: Tensors, aggregate: Aggregate) -> Tensors:
-        lr, mu = self.config.lr, self.config.momentum
-        out = dict(theta)
-        new_momentum: Tensors = {}
-        for name, g in aggregate.mean_delta.items():
-            if mu:
-                buf = self.momentum.get(name)
-                buf = g.clone() if buf is None else buf * mu + g
-                new_momentum[name] = buf
-                step = g + mu * buf if self.config.nesterov else buf
-            else:
-                step = g
-            out[name] = apply_in_float32(theta[name], lr * step)
-        # Committed only after every tensor succeeded, so a failure leaves the state as it was.
-        self.momentum.update(new_momentum)
-        return out
+        return self.outer.step(
+            theta, aggregate.mean_delta, self.config.lr, self.config.momentum, self.config.nesterov
+        )
 
     def state_dict(self) -> Tensors:
-        return {f"momentum.{k}": v for k, v in self.momentum.items()}
+        return self.outer.state_dict()
 
     def load_state_dict(self, state: Tensors) -> None:
-        self.momentum = {
-            k.removeprefix("momentum."): v.to(torch.float32)
-            for k, v in state.items()
-            if k.startswith("momentum.")
-        }
+        self.outer.load_state_dict(state)

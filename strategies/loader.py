@@ -1,7 +1,10 @@
 """Building a strategy from the job config's ``[strategy]`` table.
 
-``name`` is a built-in (``fedavg``, ``diloco``) or ``package.module:ClassName`` for a strategy in
-the user's own code; every other key must be a field of that strategy's ``Config`` dataclass.
+``name`` is a built-in (``fedavg``, ``fedavgm``, ``fedadam``, ``fedyogi``, ``fedadagrad``,
+``diloco``), ``flower:ClassName`` for a strategy of ``flwr.server.strategy`` (its other keys are
+the Flower constructor's arguments), or ``package.module:ClassName`` for a strategy in the
+user's own code; every other key must be a field of that strategy's ``Config`` dataclass.
+Every error names the plugin, and the key or the hook at fault.
 """
 
 from __future__ import annotations
@@ -15,8 +18,18 @@ from typing import Any
 from strategies.base import Strategy, StrategyError
 from strategies.diloco import DiLoCo
 from strategies.fedavg import FedAvg
+from strategies.fedavgm import FedAvgM
+from strategies.fedopt import FedAdagrad, FedAdam, FedYogi
 
-BUILTINS: dict[str, type[Strategy]] = {"fedavg": FedAvg, "diloco": DiLoCo}
+BUILTINS: dict[str, type[Strategy]] = {
+    "fedavg": FedAvg,
+    "fedavgm": FedAvgM,
+    "fedadam": FedAdam,
+    "fedyogi": FedYogi,
+    "fedadagrad": FedAdagrad,
+    "diloco": DiLoCo,
+}
+FLOWER_PREFIX = "flower:"
 
 
 def resolve_strategy_class(name: str) -> type[Strategy]:
@@ -24,13 +37,16 @@ def resolve_strategy_class(name: str) -> type[Strategy]:
         return BUILTINS[name]
     if ":" not in name:
         raise StrategyError(
-            f"unknown strategy {name!r}: use one of {sorted(BUILTINS)} or 'package.module:Class'"
+            f"unknown strategy {name!r}: use one of {sorted(BUILTINS)}, 'flower:ClassName' "
+            "or 'package.module:Class'"
         )
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise StrategyError(f"strategy {name!r}: cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:  # the plugin's own import-time code may raise anything
+        raise StrategyError(
+            f"strategy {name!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Strategy)):
         raise StrategyError(f"strategy {name!r}: {attr!r} is not a Strategy subclass")
@@ -39,11 +55,20 @@ def resolve_strategy_class(name: str) -> type[Strategy]:
 
 def load_strategy(name: str, params: Mapping[str, Any]) -> Strategy:
     """Instantiate strategy ``name`` with hyperparameters ``params``; errors name the key."""
+    if name.startswith(FLOWER_PREFIX):
+        from strategies.flower import load_flower_strategy  # imports flwr: only when named
+
+        return load_flower_strategy(name, dict(params))
     cls = resolve_strategy_class(name)
     config_cls = getattr(cls, "Config", None)
     if config_cls is None or not dataclasses.is_dataclass(config_cls):
         raise StrategyError(f"strategy {name!r} has no Config dataclass")
-    hints = typing.get_type_hints(config_cls)
+    try:
+        hints = typing.get_type_hints(config_cls)
+    except Exception as exc:
+        raise StrategyError(
+            f"strategy {name!r}: the annotations of {config_cls.__name__} cannot be resolved: {exc}"
+        ) from exc
     kwargs: dict[str, Any] = {}
     for key, value in params.items():
         if key not in hints:
@@ -67,4 +92,6 @@ def load_strategy(name: str, params: Mapping[str, Any]) -> Strategy:
     try:
         return cls(config)
     except Exception as exc:  # a plugin's own constructor, or an abstract method left out
-        raise StrategyError(f"strategy {name!r} failed to start: {exc}") from exc
+        raise StrategyError(
+            f"strategy {name!r} failed to start (in __init__): {type(exc).__name__}: {exc}"
+        ) from exc

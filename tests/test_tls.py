@@ -40,7 +40,10 @@ def coord(pki, tmp_path_factory):
     cfg = job_config(name="tls-job", rounds={"min_sites": 3, "max_sites": 4})
     path = write_config(folder, cfg)
     proc = CoordinatorProcess(
-        path, folder / "state", folder / "coordinator.log", tls_dir=pki / "server",
+        path,
+        folder / "state",
+        folder / "coordinator.log",
+        tls_dir=pki / "server",
         crl=pki / "ca" / "crl.pem",
     )
     proc.start()

@@ -253,7 +253,7 @@ class SiteStatus(_message.Message):
     def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., last_update_age_s: _Optional[float] = ..., last_round_pushed: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out")
+    __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out", "rejections", "aggregation")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SITES_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,8 @@ class StatusReply(_message.Message):
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     WAN_BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     WAN_BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     round: RoundInfo
     sites: _containers.RepeatedCompositeFieldContainer[SiteStatus]
@@ -274,4 +276,6 @@ class StatusReply(_message.Message):
     strategy: str
     wan_bytes_in: int
     wan_bytes_out: int
-    def __init__(self, job_name: _Optional[str] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., updates_received: _Optional[int] = ..., updates_expected: _Optional[int] = ..., round_age_s: _Optional[float] = ..., waiting_reason: _Optional[str] = ..., strategy: _Optional[str] = ..., wan_bytes_in: _Optional[int] = ..., wan_bytes_out: _Optional[int] = ...) -> None: ...
+    rejections: _containers.RepeatedScalarFieldContainer[str]
+    aggregation: str
+    def __init__(self, job_name: _Optional[str] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., updates_received: _Optional[int] = ..., updates_expected: _Optional[int] = ..., round_age_s: _Optional[float] = ..., waiting_reason: _Optional[str] = ..., strategy: _Optional[str] = ..., wan_bytes_in: _Optional[int] = ..., wan_bytes_out: _Optional[int] = ..., rejections: _Optional[_Iterable[str]] = ..., aggregation: _Optional[str] = ...) -> None: ...

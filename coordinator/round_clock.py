@@ -1,0 +1,171 @@
+"""The round clock: expiring leases, opening and closing rounds, the outer step.
+
+A mixin of ``CoordinatorCore``. The decisions are the pure functions of ``rounds``; this does
+what they decide: the strategy's outer step through ``strategies.robust.close_round``, the
+checkpoint, and publishing theta_{r+1}.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from coordinator.records import FatalError, SiteRecord
+from coordinator.rounds import (
+    RoundState,
+    admit_latecomers,
+    decide_close,
+    next_round,
+    open_round,
+    waiting_reason,
+)
+from coordinator.spool import SpooledUpdate
+from coordinator.store import Checkpoint
+from strategies import StrategyError
+from strategies.base import call_hook, check_state
+from strategies.robust import Outcome, close_round
+
+log = logging.getLogger("isthmus.coordinator")
+
+
+class RoundClock:
+    def tick(self) -> bool:
+        """Advance membership and the round; returns True if a round was closed."""
+        with self.lock:
+            if self.fatal:
+                raise FatalError(self.fatal)
+            if self.finished:
+                return False
+            now = self.clock()
+            for site in self.leases.expire(now):
+                self.sites.setdefault(site, SiteRecord()).state = "expired"
+                log.warning("lease of site %s expired", site)
+            live = self.leases.live(now)
+            was_open = self.round.opened_at is not None
+            self.round = open_round(now, self.round, live, self.opts)
+            if not was_open and self.round.opened_at is not None:
+                self.spool.write_round(
+                    self.round.number, {"participants": sorted(self.round.participants)}
+                )
+                try:
+                    call_hook(self.strategy, "begin_round", self.round.number, self.theta)
+                except StrategyError as exc:
+                    self.fatal = f"round {self.round.number} cannot start: {exc}"
+                    log.error("stopping: %s; the last checkpoint is unchanged", self.fatal)
+                    raise FatalError(self.fatal) from exc
+                log.info(
+                    "round %d open with %s",
+                    self.round.number,
+                    ", ".join(sorted(self.round.participants)),
+                )
+            before = self.round.participants
+            self.round = admit_latecomers(now, self.round, live, self.opts)
+            if self.round.participants != before:
+                self.spool.write_round(
+                    self.round.number, {"participants": sorted(self.round.participants)}
+                )
+                log.warning(
+                    "round %d is past its deadline below quorum; admitting %s",
+                    self.round.number,
+                    ", ".join(sorted(self.round.participants - before)),
+                )
+            decision = decide_close(now, self.round, live, self.opts)
+            if not decision.act:
+                return False
+            self.round = replace(self.round, closed=True)
+            updates = [self.accepted[s] for s in sorted(self.accepted)]
+            closing = self.round
+        self._close(closing, updates, decision.reason)
+        return True
+
+    def _close(self, state: RoundState, updates: list[SpooledUpdate], reason: str) -> None:
+        started = time.monotonic()
+        with self.lock:
+            metrics = self._round_metrics(state.number, [u.site for u in updates])
+        try:
+            new_theta, outcome = close_round(
+                self.strategy,
+                self.aggregator,
+                self.theta,
+                [u.as_site_update() for u in updates],
+                state.number,
+                metrics,
+            )
+            if outcome.aggregate is None:
+                log.warning(
+                    "round %d: every update was rejected; theta and the strategy state stay",
+                    state.number,
+                )
+            # Read only after a successful step, so a failed one never reaches the checkpoint.
+            strategy_state = check_state(self.strategy, call_hook(self.strategy, "state_dict"))
+        except Exception as exc:
+            with self.lock:
+                self.fatal = (
+                    f"outer step of round {state.number} failed: {exc}; the checkpoint of "
+                    f"round {state.number} is unchanged"
+                )
+            log.exception("outer step failed; the last checkpoint is unchanged")
+            raise FatalError(self.fatal) from exc
+        self._note_rejections(state.number, outcome)
+        ckpt = Checkpoint(
+            state.number + 1,
+            new_theta,
+            strategy_state,
+            {
+                "job": self.cfg.name,
+                "closed_round": {
+                    "number": state.number,
+                    "reason": reason,
+                    "sites": sorted(u.site for u in updates),
+                    "rejected": outcome.rejected,
+                    "clipped": outcome.clipped,
+                },
+            },
+        )
+        self.store.save(ckpt)
+        with self.lock:
+            self.theta = new_theta
+            self.round = next_round(state)
+            self.accepted = {}
+            self.last_close_reason = reason
+            self._publish()
+            self.wake.notify_all()
+        self.uploads.drop_rounds_before(state.number + 1)
+        self.spool.drop_rounds_before(state.number + 1)
+        log.info(
+            "round %d closed (%s): %d update(s), outer step + checkpoint in %.2fs; theta_%d %s",
+            state.number,
+            reason,
+            len(updates),
+            time.monotonic() - started,
+            state.number + 1,
+            self.published.theta_hash.hex()[:12],
+        )
+
+    def _round_metrics(self, round_number: int, sites: list[str]) -> dict[str, dict[str, float]]:
+        """What each site last reported for this round (protobuf sends 0 for "no loss")."""
+        out = {}
+        for site in sites:
+            p = (self.sites.get(site) or SiteRecord()).progress or {}
+            if p.get("round") == round_number and p.get("train_loss"):
+                out[site] = {"train_loss": float(p["train_loss"])}
+        return out
+
+    def _note_rejections(self, round_number: int, outcome: Outcome) -> None:
+        for site, norm in outcome.clipped.items():
+            log.info("round %d: update of %s clipped (norm %.4g)", round_number, site, norm)
+        with self.lock:
+            for site, reason in outcome.rejected.items():
+                log.warning("round %d: update of %s rejected: %s", round_number, site, reason)
+                self.rejections.append(f"round {round_number}: {site}: {reason}")
+
+    def waiting_reason(self) -> str:
+        with self.lock:
+            if self.fatal:
+                return self.fatal
+            if self.finished:
+                return f"job finished after {self.cfg.rounds.total} rounds"
+            return waiting_reason(
+                self.clock(), self.round, self.leases.live(self.clock()), self.opts
+            )

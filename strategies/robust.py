@@ -1,0 +1,280 @@
+"""Combining a round's updates: the weighted mean, and robust aggregation around any strategy.
+
+Applied at round close, before the strategy's outer step, in this order:
+
+1. **Screening.** An update holding NaN or Inf is rejected (the coordinator already refuses
+   them at push time; this is the second line). With ``outlier_zscore > 0`` an update whose L2
+   norm has a modified z-score ``0.6745 (norm - median) / MAD`` (Iglewicz and Hoaglin) above the
+   threshold is rejected; only large norms count, since a small update cannot pull the
+   aggregate far. It needs at least 3 finite updates.
+2. **Clipping.** With ``clip_norm > 0`` each update is scaled to an L2 norm (over all its
+   tensors) of at most ``clip_norm``.
+3. **Combining.** ``mean``: the strategy-weighted mean, streamed one update at a time in
+   site-name order (memory: one float32 model). ``median`` / ``trimmed_mean``: coordinate-wise
+   and unweighted, as in Yin et al. (2018) and Flower's FedMedian / FedTrimmedAvg; the trimmed
+   mean drops ``int(trim_fraction * n)`` values at each end.
+
+Memory: median and trimmed mean need every update at once. They work one tensor at a time,
+stacking it from the ``n`` memory-mapped updates and sorting: about ``16 * n * numel`` bytes for
+the largest tensor (float32 stack, sorted copy, int64 sort indices). A strategy that takes the
+updates one by one (``needs_updates``) adds what ``Strategy.buffer_bytes`` says. Both are
+checked against ``max_buffer_bytes`` at start-up for ``rounds.max_sites`` sites.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from strategies.base import (
+    Aggregate,
+    SiteUpdate,
+    Strategy,
+    StrategyError,
+    Tensors,
+    call_hook,
+    check_outer_result,
+    float32_bytes,
+)
+
+METHODS = ("mean", "median", "trimmed_mean")
+
+
+class AggregationError(StrategyError):
+    """The round's updates cannot be combined as configured; the message names the key."""
+
+
+def weighted_mean_of(updates: Sequence[SiteUpdate], like: Tensors) -> tuple[Tensors, float]:
+    """``sum_i w_i delta_i / sum_i w_i`` in float32, summed in site-name order."""
+    acc = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in like.items()}
+    total = 0.0
+    for update in sorted(updates, key=lambda u: u.site):
+        alpha = update.weight * update.scale
+        for name, delta in update.reader():
+            acc[name].add_(delta.to(torch.float32), alpha=alpha)
+        total += update.weight
+    if total <= 0:
+        raise ValueError("no update weight to average")
+    for t in acc.values():
+        t.div_(total)
+    return acc, total
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What aggregation made of a round: ``aggregate`` is None if every update was refused."""
+
+    aggregate: Aggregate | None
+    rejected: dict[str, str] = field(default_factory=dict)
+    clipped: dict[str, float] = field(default_factory=dict)  # site -> norm before clipping
+
+
+def _scan(update: SiteUpdate) -> tuple[float, str | None]:
+    """(L2 norm over all tensors, name of the first tensor holding NaN/Inf or None)."""
+    sq = 0.0
+    for name, t in update.reader():
+        t = t.to(torch.float32)
+        if not bool(torch.isfinite(t).all()):
+            return math.nan, name
+        sq += float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+    return math.sqrt(sq), None
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _outliers(norms: dict[str, float], threshold: float) -> dict[str, str]:
+    med = _median(list(norms.values()))
+    mad = _median([abs(v - med) for v in norms.values()])
+    if mad > 0:
+        scale = mad / 0.6745
+    else:  # half the norms tie: Iglewicz and Hoaglin fall back to the mean absolute deviation
+        scale = 1.253314 * sum(abs(v - med) for v in norms.values()) / len(norms)
+    out = {}
+    for site, norm in norms.items():
+        z = (norm - med) / scale if scale > 0 else 0.0
+        if z > threshold:
+            out[site] = (
+                f"norm {norm:.4g} is an outlier (median {med:.4g}, modified z-score "
+                f"{z:.3g} > aggregation.outlier_zscore = {threshold:g})"
+            )
+    return out
+
+
+class RobustAggregator:
+    """Screens, clips and combines a round's updates (see the module docstring)."""
+
+    def __init__(
+        self,
+        method: str = "mean",
+        trim_fraction: float = 0.2,
+        clip_norm: float = 0.0,
+        outlier_zscore: float = 0.0,
+        max_buffer_bytes: int = 8 << 30,
+    ) -> None:
+        if method not in METHODS:
+            raise AggregationError(f"aggregation.method: expected one of {METHODS}, got {method!r}")
+        if not 0 <= trim_fraction < 0.5:
+            raise AggregationError(
+                f"aggregation.trim_fraction: must be in [0, 0.5), got {trim_fraction}"
+            )
+        self.method, self.trim_fraction = method, trim_fraction
+        self.clip_norm, self.outlier_zscore = clip_norm, outlier_zscore
+        self.max_buffer_bytes = max_buffer_bytes
+
+    @classmethod
+    def from_config(cls, cfg) -> RobustAggregator:
+        return cls(
+            cfg.method, cfg.trim_fraction, cfg.clip_norm, cfg.outlier_zscore, cfg.max_buffer_bytes
+        )
+
+    def describe(self) -> str:
+        parts = [self.method]
+        if self.method == "trimmed_mean":
+            parts.append(f"trim {self.trim_fraction:g}")
+        if self.clip_norm:
+            parts.append(f"clip {self.clip_norm:g}")
+        if self.outlier_zscore:
+            parts.append(f"outlier z {self.outlier_zscore:g}")
+        return ", ".join(parts)
+
+    # ---- start-up checks ------------------------------------------------------------------
+
+    def buffer_bytes(self, n: int, like: Tensors, strategy: Strategy | None = None) -> int:
+        need = 0
+        if self.method != "mean" and like:
+            largest = max(t.numel() for t in like.values())
+            need += 16 * n * largest
+        if strategy is not None:
+            need += strategy.buffer_bytes(n, like)
+        return need
+
+    def check(self, strategy: Strategy, n: int, like: Tensors) -> None:
+        """Refuse, before any round, a combination that cannot run (or not within memory)."""
+        if self.method != "mean" and strategy.needs_updates:
+            raise AggregationError(
+                f"aggregation.method: {self.method!r} cannot be combined with strategy "
+                f"{strategy.plugin_name!r}, which combines the individual updates itself; use "
+                "method = 'mean' (clip_norm and outlier_zscore still apply)"
+            )
+        need = self.buffer_bytes(n, like, strategy)
+        if need > self.max_buffer_bytes:
+            raise AggregationError(
+                f"aggregation.max_buffer_bytes: combining {n} updates (rounds.max_sites) of a "
+                f"{float32_bytes(like) / 1e6:.1f} MB model with method {self.method!r} and "
+                f"strategy {strategy.plugin_name!r} buffers about {need / 1e6:.1f} MB, over "
+                f"the limit of {self.max_buffer_bytes / 1e6:.1f} MB; raise "
+                "aggregation.max_buffer_bytes, lower rounds.max_sites or use method = 'mean'"
+            )
+
+    # ---- round close ----------------------------------------------------------------------
+
+    def aggregate(
+        self,
+        updates: Sequence[SiteUpdate],
+        like: Tensors,
+        round: int,
+        *,
+        needs_updates: bool = False,
+        metrics: Mapping[str, Mapping[str, float]] | None = None,
+    ) -> Outcome:
+        updates = sorted(updates, key=lambda u: u.site)
+        rejected: dict[str, str] = {}
+        clipped: dict[str, float] = {}
+        if self.clip_norm or self.outlier_zscore or self.method != "mean":
+            norms = {}
+            for u in updates:
+                norm, bad = _scan(u)
+                if bad is not None:
+                    rejected[u.site] = f"NaN or Inf values in tensor {bad!r}"
+                else:
+                    norms[u.site] = norm
+            if self.outlier_zscore and len(norms) >= 3:
+                rejected.update(_outliers(norms, self.outlier_zscore))
+            kept = []
+            for u in updates:
+                if u.site in rejected:
+                    continue
+                if self.clip_norm and norms[u.site] > self.clip_norm:
+                    clipped[u.site] = norms[u.site]
+                    u = replace(u, scale=self.clip_norm / norms[u.site])
+                kept.append(u)
+            updates = kept
+        if updates and self.method == "mean":
+            combined, total = weighted_mean_of(updates, like)
+            if not all(bool(torch.isfinite(t).all()) for t in combined.values()):
+                # NaN/Inf slipped in unscreened (or the sum overflowed): find culprits, redo.
+                for u in updates:
+                    _, bad = _scan(u)
+                    if bad is not None:
+                        rejected[u.site] = f"NaN or Inf values in tensor {bad!r}"
+                updates = [u for u in updates if u.site not in rejected]
+                if not updates:
+                    return Outcome(None, rejected, clipped)
+                combined, total = weighted_mean_of(updates, like)
+                if not all(bool(torch.isfinite(t).all()) for t in combined.values()):
+                    raise AggregationError(
+                        f"round {round}: the weighted mean overflows float32; set "
+                        "aggregation.clip_norm to bound the updates"
+                    )
+        elif updates:
+            combined, total = self._coordinate_wise(updates, like), sum(u.weight for u in updates)
+        else:
+            return Outcome(None, rejected, clipped)
+        agg = Aggregate(
+            combined,
+            total,
+            {u.site: u.weight for u in updates},
+            round,
+            tuple(updates) if needs_updates else (),
+            dict(rejected),
+            {s: m for s, m in (metrics or {}).items() if s not in rejected},
+        )
+        return Outcome(agg, rejected, clipped)
+
+    def _coordinate_wise(self, updates: Sequence[SiteUpdate], like: Tensors) -> Tensors:
+        views = [(dict(u.reader()), u.scale) for u in updates]
+        n = len(views)
+        cut = int(self.trim_fraction * n) if self.method == "trimmed_mean" else 0
+        out = {}
+        for name in like:
+            stack = torch.stack([v[name].to(torch.float32) * s for v, s in views])
+            ordered = torch.sort(stack, dim=0).values
+            del stack
+            if self.method == "median":
+                mid = n // 2
+                out[name] = ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+            else:
+                out[name] = ordered[cut : n - cut].mean(dim=0)
+        return out
+
+
+def close_round(
+    strategy: Strategy,
+    aggregator: RobustAggregator,
+    theta: Tensors,
+    updates: Sequence[SiteUpdate],
+    round: int,
+    metrics: Mapping[str, Mapping[str, float]] | None = None,
+) -> tuple[Tensors, Outcome]:
+    """theta_{r+1} from the round's updates: what the coordinator does at round close.
+
+    Screens and combines the updates, then takes the strategy's outer step. If every update
+    was rejected, theta stays (and the strategy is not called). Errors name the plugin and the
+    hook; the strategy's own state is the strategy's to keep unchanged on failure.
+    """
+    like = {n: theta[n] for n in theta if theta[n].is_floating_point()}
+    aggregator.check(strategy, len(updates), like)
+    outcome = aggregator.aggregate(
+        updates, like, round, needs_updates=strategy.needs_updates, metrics=metrics
+    )
+    if outcome.aggregate is None:
+        return theta, outcome
+    result = call_hook(strategy, "outer_step", theta, outcome.aggregate)
+    return check_outer_result(strategy, theta, result), outcome
