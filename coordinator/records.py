@@ -23,7 +23,7 @@ class FatalError(RuntimeError):
 
 
 def check_name(kind: str, value: str) -> None:
-    if not NAME_RE.match(value):
+    if not NAME_RE.fullmatch(value):  # fullmatch: "$" alone would let a trailing newline in
         raise Refused(
             "invalid",
             f"{kind} {value[:70]!r} is invalid: use 1-63 letters, digits, '.', '_' or '-'",

@@ -6,9 +6,11 @@ anything.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
+import threading
 
 import grpc
 from google.protobuf.message import Message
@@ -16,7 +18,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from coordinator.auth import AuthError, Authorizer
 from coordinator.core import CoordinatorCore
-from coordinator.records import Refused
+from coordinator.records import Refused, check_name
 from coordinator.status import status_reply
 from wire.chunking import DEFAULT_CHUNK_BYTES, iter_chunks
 from wire.proto import isthmus_pb2 as pb
@@ -108,15 +110,35 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ) -> None:
         self.core = core
         self.authorizer = authorizer
+        # Each stream holds a worker thread while it lasts. Bounding streams per kind keeps
+        # threads free for heartbeats and status however many streams a peer opens and idles.
+        slots = core.cfg.rounds.max_sites + 2
+        self._stream_slots = {
+            "Push": threading.BoundedSemaphore(slots),
+            "Fetch": threading.BoundedSemaphore(slots),
+        }
         self.chunk_bytes = chunk_bytes
         self.ttl_s = core.cfg.timeouts.lease_ttl_s
 
+    @contextlib.contextmanager
+    def _stream_slot(self, kind: str):
+        slot = self._stream_slots[kind]
+        if not slot.acquire(blocking=False):
+            raise Refused("busy", f"too many {kind} streams open at once; retry shortly")
+        try:
+            yield
+        finally:
+            slot.release()
+
     def _auth(self, context, role: str, claimed_site: str | None = None) -> None:
-        """Nothing is looked at before the caller's certificate allows it."""
+        """Nothing is looked at before the caller's certificate allows it; a claimed site
+        name must be a valid one even without TLS (it ends up in messages and logs)."""
         try:
             self.authorizer.check(context.auth_context(), role, claimed_site)
         except AuthError as exc:
             raise Refused(exc.code, str(exc)) from exc
+        if claimed_site is not None:
+            check_name("site name", claimed_site)
 
     @_refusals_to_status
     def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
@@ -140,7 +162,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             "round": p.round,
             "inner_step": p.inner_step,
             "train_loss": p.train_loss,
-            "phase": p.phase,
+            "phase": p.phase[:32],  # shown in every Status reply: keep it small
         }
         lease, info = self.core.heartbeat(request.lease.site, request.lease.token, progress)
         return pb.HeartbeatReply(lease=lease_pb(lease, self.ttl_s), round=pb.RoundInfo(**info))
@@ -149,6 +171,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Fetch(self, request: pb.FetchRequest, context):
         self._auth(context, "site", request.lease.site)
         refuse_unknown_fields(request)
+        with self._stream_slot("Fetch"):
+            yield from self._fetch(request)
+
+    def _fetch(self, request: pb.FetchRequest):
         version = request.version if request.HasField("version") else None
         pub = self.core.fetch(request.lease.site, request.lease.token, version, request.offset)
         yield pb.FetchMessage(
@@ -163,6 +189,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @_refusals_to_status
     def Push(self, request_iterator, context) -> pb.PushReply:
         self._auth(context, "site")
+        with self._stream_slot("Push"):
+            return self._push(request_iterator, context)
+
+    def _push(self, request_iterator, context) -> pb.PushReply:
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("kind") != "header":
             raise Refused("invalid", "a push stream starts with a PushHeader")
@@ -184,6 +214,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     raise Refused("invalid", "a push stream carries one header, then only chunks")
                 refuse_unknown_fields(msg)
                 self.core.upload_chunk(upload, msg.chunk.offset, msg.chunk.data)
+            if not context.is_active():
+                # The stream ended in a message grpc could not decode, or was cancelled: grpc
+                # reports that to the client itself; what arrived stays resumable, uncounted.
+                return pb.PushReply(complete=False, acked_offset=upload.received)
             if not self.core.finish_upload(upload, h.lease.token):
                 return pb.PushReply(
                     complete=False,

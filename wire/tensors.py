@@ -138,11 +138,12 @@ def validate_manifest(manifest: Manifest, max_total_bytes: int | None = None) ->
             raise PayloadError(f"tensor {e.name!r} appears twice in the manifest")
         seen.add(e.name)
         if e.dtype not in DTYPES:
-            raise PayloadError(f"tensor {e.name!r} has unknown dtype {e.dtype!r}")
+            raise PayloadError(f"tensor {e.name!r} has unknown dtype {e.dtype[:40]!r}")
         if e.codec not in CODECS:
-            raise PayloadError(f"tensor {e.name!r} uses unknown codec {e.codec!r}")
+            raise PayloadError(f"tensor {e.name!r} uses unknown codec {e.codec[:40]!r}")
         if any(d < 0 for d in e.shape) or len(e.shape) > 16:
-            raise PayloadError(f"tensor {e.name!r} has an invalid shape {list(e.shape)}")
+            shown = list(e.shape[:8]) + (["..."] if len(e.shape) > 8 else [])
+            raise PayloadError(f"tensor {e.name!r} has an invalid shape {shown}")
         itemsize = torch.empty((), dtype=DTYPES[e.dtype]).element_size()
         if e.codec == "none" and e.nbytes != e.numel * itemsize:
             raise PayloadError(

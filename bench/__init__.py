@@ -1,0 +1,1 @@
+"""Benchmarks and fuzzers that drive real isthmus processes (``python -m bench.<name>``)."""

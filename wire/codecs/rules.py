@@ -1,0 +1,196 @@
+"""Choosing a codec per tensor: ordered rules from the job config, first match wins.
+
+Example (``job.toml``; ``from_dict`` takes the ``compression`` table)::
+
+    [compression]
+    default = "int8"                          # or { codec = "int8", block = 128 }
+
+    [[compression.rules]]                     # norms and biases travel exactly
+    match = "*.norm*"
+    codec = "none"
+
+    [[compression.rules]]
+    match = "*.bias"
+    codec = "none"
+
+    [[compression.rules]]                     # big matrices: 1 % top-k with error feedback
+    match = "*"
+    min_numel = 1_000_000
+    codec = "topk"
+    fraction = 0.01
+
+``match`` is an ``fnmatch`` pattern, case-sensitive, where ``*`` also spans dots; ``min_numel``
+and ``max_numel`` bound the tensor's element count (inclusive). Non-floating tensors always get
+``none``. Every other key of a rule is a parameter of its codec (``make_codec``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+
+from wire.codecs.base import Codec
+from wire.codecs.cast import NoneCodec
+from wire.codecs.registry import CODECS, make_codec
+
+
+class CodecConfigError(ValueError):
+    """A compression config that cannot be used; the message names the key."""
+
+
+@dataclass(frozen=True)
+class CodecRule:
+    """Use ``codec`` for tensors whose name matches ``match`` and whose element count lies in
+    ``[min_numel, max_numel]``."""
+
+    codec: Codec
+    match: str = "*"
+    min_numel: int = 0
+    max_numel: int | None = None
+
+    def matches(self, name: str, numel: int) -> bool:
+        return (
+            fnmatchcase(name, self.match)
+            and numel >= self.min_numel
+            and (self.max_numel is None or numel <= self.max_numel)
+        )
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """Codec selection: ``rules`` in order, then ``default``."""
+
+    default: Codec = field(default_factory=NoneCodec)
+    rules: tuple[CodecRule, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], path: str = "compression") -> CompressionConfig:
+        """Parse the ``[compression]`` table of a job config.
+
+        Parameters
+        ----------
+        data
+            The table's contents (``tomllib.loads(...)["compression"]``).
+        path
+            The table's key, prefixed to every error message.
+
+        Raises
+        ------
+        CodecConfigError
+            Naming the key: ``compression.rules[2].fraction: must be a number in (0, 1], got 2``.
+            Unknown keys are refused, so a typo never falls back to a default silently.
+        """
+        if not isinstance(data, Mapping):
+            raise CodecConfigError(f"{path}: expected a table, got {type(data).__name__}")
+        _reject_unknown(data, ("default", "rules"), path)
+        default = data.get("default", "none")
+        if isinstance(default, str):
+            default = {"codec": default}
+        default_codec = _codec_from(default, f"{path}.default", ())
+        rules = data.get("rules", [])
+        if not isinstance(rules, list):
+            raise CodecConfigError(f"{path}.rules: expected an array of tables")
+        return cls(
+            default_codec, tuple(_rule_from(r, f"{path}.rules[{i}]") for i, r in enumerate(rules))
+        )
+
+
+def _reject_unknown(data: Mapping[str, Any], allowed: Sequence[str], path: str) -> None:
+    for key in data:
+        if key not in allowed:
+            raise CodecConfigError(f"{path}.{key}: unknown key (expected one of {list(allowed)})")
+
+
+def _rule_from(data: Any, path: str) -> CodecRule:
+    if not isinstance(data, Mapping):
+        raise CodecConfigError(f"{path}: expected a table, got {type(data).__name__}")
+    extra = ("match", "min_numel", "max_numel")
+    match = data.get("match", "*")
+    if not isinstance(match, str) or not match:
+        raise CodecConfigError(f"{path}.match: expected a non-empty pattern, got {match!r}")
+    lo = _count(data, "min_numel", 0, path)
+    hi = _count(data, "max_numel", None, path)
+    if hi is not None and hi < lo:
+        raise CodecConfigError(f"{path}.max_numel: must be >= min_numel ({lo}), got {hi}")
+    return CodecRule(_codec_from(data, path, extra), match, lo, hi)
+
+
+def _count(data: Mapping[str, Any], key: str, default: int | None, path: str) -> int | None:
+    value = data.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise CodecConfigError(f"{path}.{key}: expected an integer >= 0, got {value!r}")
+    return value
+
+
+def _codec_from(data: Any, path: str, extra: Sequence[str]) -> Codec:
+    if not isinstance(data, Mapping):
+        raise CodecConfigError(f"{path}: expected a codec name or table, got {data!r}")
+    name = data.get("codec")
+    if not isinstance(name, str):
+        raise CodecConfigError(f"{path}.codec: missing (required), expected a codec name")
+    if name not in CODECS:
+        raise CodecConfigError(f"{path}.codec: unknown codec {name!r}; known: {list(CODECS)}")
+    fields = CODECS[name].__dataclass_fields__
+    params = {}
+    for key, value in data.items():
+        if key == "codec" or key in extra:
+            continue
+        spec = fields.get(key)
+        if spec is None or not spec.init:
+            takes = [f for f in fields if fields[f].init]
+            raise CodecConfigError(f"{path}.{key}: unknown key for codec {name!r} (takes {takes})")
+        params[key] = _typed_value(value, spec.default, f"{path}.{key}")
+    try:
+        return make_codec(name, **params)
+    except ValueError as exc:
+        raise CodecConfigError(f"{path}.{exc}") from None
+
+
+def _typed_value(value: Any, default: Any, key: str) -> Any:
+    kind = type(default) if default is not MISSING else object
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+        raise CodecConfigError(f"{key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def choose_codec(
+    name: str,
+    tensor: torch.Tensor | Sequence[int],
+    rules: CompressionConfig | Sequence[CodecRule],
+) -> Codec:
+    """The codec for one tensor; pure (no I/O, no state).
+
+    Parameters
+    ----------
+    name
+        The tensor's name, matched against each rule's pattern.
+    tensor
+        The tensor, or just its shape. A non-floating tensor always gets ``none``.
+    rules
+        A ``CompressionConfig``, or a bare list of rules (default ``none``).
+
+    Returns
+    -------
+    Codec
+        The first matching rule's codec, else the default.
+    """
+    if isinstance(tensor, torch.Tensor):
+        if not tensor.is_floating_point():
+            return NoneCodec()
+        numel = tensor.numel()
+    else:
+        numel = math.prod(int(d) for d in tensor)
+    config = (
+        rules if isinstance(rules, CompressionConfig) else CompressionConfig(rules=tuple(rules))
+    )
+    for rule in config.rules:
+        if rule.matches(name, numel):
+            return rule.codec
+    return config.default
