@@ -45,6 +45,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._pytree import tree_map_only
 
+from site_client.dcp_reader import SafeFileSystemReader
+
 MANIFEST = "isthmus_site_checkpoint.json"
 _FORMAT = "isthmus-site-checkpoint/1"
 Extra = dict[str, torch.Tensor | int | float]
@@ -157,7 +159,7 @@ def load_site_checkpoint(
     staged = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
     try:
         with _single_process_ok():
-            dcp.load(staged, storage_reader=dcp.FileSystemReader(path))
+            dcp.load(staged, storage_reader=SafeFileSystemReader(path))
     except (Exception, CheckpointException) as exc:
         if fresh:
             optimizer.state.clear()
