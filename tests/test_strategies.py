@@ -13,50 +13,11 @@ import torch
 from coordinator.spool import UpdateSpool, weighted_mean
 from strategies import Aggregate, DiLoCo, FedAvg, Strategy, StrategyError, load_strategy
 from strategies.diloco import DiLoCoConfig
-from wire.tensors import pack
 
-SHAPES = {"layer.w": (6, 5), "layer.b": (5,), "head.w": (5, 3), "scale": ()}
-SITES = ["site-c", "site-a", "site-d", "site-b"]  # deliberately not sorted
-
-
-class QuadraticSite:
-    """A site's "inner training": H gradient steps on its own random quadratic loss
-    0.5 * (theta - target_i)^T diag(curv_i) (theta - target_i), computed in any dtype."""
-
-    def __init__(self, seed: int, examples: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.examples = examples
-        self.target = {
-            k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in SHAPES.items()
-        }
-        self.curv = {
-            k: torch.rand(s, generator=g, dtype=torch.float64) + 0.5 for k, s in SHAPES.items()
-        }
-
-    def train(self, theta: dict[str, torch.Tensor], steps: int = 3, lr: float = 0.2):
-        out = {}
-        for k, t in theta.items():
-            x = t.clone()
-            for _ in range(steps):
-                grad = self.curv[k].to(t.dtype) * (x - self.target[k].to(t.dtype))
-                x = x - lr * grad
-            out[k] = x
-        return out
-
-
-def _theta0(dtype=torch.float32) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(99)
-    return {
-        k: torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for k, s in SHAPES.items()
-    }
-
-
-def _spool_update(spool: UpdateSpool, round_number: int, site: str, delta, weight: float):
-    """What the coordinator does with a verified upload: bytes into the .part file, commit."""
-    manifest, payload = pack(delta)
-    with spool.open_part(round_number, site, "u1") as f:
-        f.write(payload)
-    return spool.commit(round_number, site, "u1", manifest, weight)
+try:  # tests/ as a package or as a plain folder on sys.path
+    from .strategy_helpers import SHAPES, SITES, QuadraticSite, make_sites, spool_update, theta0
+except ImportError:
+    from strategy_helpers import SHAPES, SITES, QuadraticSite, make_sites, spool_update, theta0
 
 
 def _coordinator_round(strategy: Strategy, spool: UpdateSpool, r: int, theta, sites):
@@ -67,7 +28,7 @@ def _coordinator_round(strategy: Strategy, spool: UpdateSpool, r: int, theta, si
         local = model.train(theta)
         delta = {k: theta[k] - local[k] for k in theta}  # computed at the site, in float32
         weight = strategy.update_weight(site, float(model.examples))
-        updates.append(_spool_update(spool, r, site, delta, weight))
+        updates.append(spool_update(spool, r, site, delta, weight))
     mean, total = weighted_mean(updates, theta)
     agg = Aggregate(mean, total, {u.site: u.weight for u in updates}, r)
     before = {k: v.clone() for k, v in theta.items()}
@@ -79,9 +40,7 @@ def _coordinator_round(strategy: Strategy, spool: UpdateSpool, r: int, theta, si
 
 
 def _sites() -> dict[str, QuadraticSite]:
-    return {
-        s: QuadraticSite(seed=i + 10, examples=[120, 7, 55, 1000][i]) for i, s in enumerate(SITES)
-    }
+    return make_sites(len(SITES))
 
 
 def _close(a: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
@@ -93,7 +52,7 @@ def test_fedavg_matches_weighted_mean_of_site_models(tmp_path: Path):
     sites = _sites()
     strategy = FedAvg()
     spool = UpdateSpool(tmp_path / "spool")
-    theta = _theta0()
+    theta = theta0()
     ref = {k: v.to(torch.float64) for k, v in theta.items()}
     n_total = sum(m.examples for m in sites.values())
     for r in range(5):
@@ -103,12 +62,12 @@ def test_fedavg_matches_weighted_mean_of_site_models(tmp_path: Path):
         ref = {k: sum(sites[s].examples * locals_[s][k] for s in sites) / n_total for k in ref}
         _close(theta, ref)
     # The job moved: the test would not pass with a no-op strategy.
-    assert not torch.allclose(theta["layer.w"], _theta0()["layer.w"], atol=1e-2)
+    assert not torch.allclose(theta["layer.w"], theta0()["layer.w"], atol=1e-2)
 
 
 def test_fedavg_server_lr_scales_the_step(tmp_path: Path):
     sites = _sites()
-    theta = _theta0()
+    theta = theta0()
     full = _coordinator_round(FedAvg(), UpdateSpool(tmp_path / "a"), 0, theta, sites)
     half = _coordinator_round(
         load_strategy("fedavg", {"server_lr": 0.5}), UpdateSpool(tmp_path / "b"), 0, theta, sites
@@ -118,7 +77,7 @@ def test_fedavg_server_lr_scales_the_step(tmp_path: Path):
 
 
 def _diloco_reference(rounds: int, sites, lr: float, mu: float, nesterov: bool, weighted: bool):
-    theta = {k: v.to(torch.float64) for k, v in _theta0().items()}
+    theta = {k: v.to(torch.float64) for k, v in theta0().items()}
     m = {k: torch.zeros_like(v) for k, v in theta.items()}
     history = []
     for _ in range(rounds):
@@ -150,7 +109,7 @@ def test_diloco_matches_algorithm_1(tmp_path: Path, params, nesterov, weighted):
     cfg = DiLoCoConfig(**params)
     ref = _diloco_reference(6, sites, cfg.lr, cfg.momentum, nesterov, weighted)
     spool = UpdateSpool(tmp_path / "spool")
-    theta = _theta0()
+    theta = theta0()
     for r in range(6):
         theta = _coordinator_round(strategy, spool, r, theta, sites)
         _close(theta, ref[r])
@@ -161,7 +120,7 @@ def test_diloco_against_torch_sgd_nesterov(tmp_path: Path):
     sites = _sites()
     strategy = DiLoCo()
     spool = UpdateSpool(tmp_path / "spool")
-    theta = _theta0()
+    theta = theta0()
     params = {k: torch.nn.Parameter(v.clone()) for k, v in theta.items()}
     opt = torch.optim.SGD(list(params.values()), lr=0.7, momentum=0.9, nesterov=True)
     for r in range(4):
@@ -178,7 +137,7 @@ def test_diloco_against_torch_sgd_nesterov(tmp_path: Path):
 def test_diloco_state_dict_round_trip_continues_identically(tmp_path: Path):
     sites = _sites()
     a = DiLoCo()
-    theta = _theta0()
+    theta = theta0()
     for r in range(3):
         theta = _coordinator_round(a, UpdateSpool(tmp_path / f"a{r}"), r, theta, sites)
     state = a.state_dict()
@@ -203,7 +162,7 @@ def test_diloco_state_dict_round_trip_continues_identically(tmp_path: Path):
 def test_diloco_keeps_bf16_params_in_bf16_and_momentum_in_f32(tmp_path: Path):
     sites = _sites()
     s = DiLoCo()
-    theta = _theta0(torch.bfloat16)
+    theta = theta0(torch.bfloat16)
     for r in range(2):
         theta = _coordinator_round(s, UpdateSpool(tmp_path / f"r{r}"), r, theta, sites)
     assert all(v.dtype == torch.bfloat16 for v in theta.values())
@@ -247,7 +206,7 @@ def test_weighted_mean_is_exact_weighted_average_and_order_independent(tmp_path:
         }
         weights[site] = float(1 + 37 * i)
         deltas[site] = delta
-        updates.append(_spool_update(spool, 3, site, delta, weights[site]))
+        updates.append(spool_update(spool, 3, site, delta, weights[site]))
     mean, total = weighted_mean(updates, like)
     assert total == sum(weights.values())
     for k in like:
