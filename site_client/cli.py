@@ -54,7 +54,15 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=120.0,
         metavar="SECONDS",
-        help="give up reaching the coordinator after this long (default 120)",
+        help="give up joining the job after this long (default 120)",
+    )
+    s.add_argument(
+        "--outage-timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="once joined, how long to keep retrying an unreachable coordinator (a restart, a "
+        "WAN cut) before giving up (default 3600)",
     )
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     add_security_flags(s, "this site")
@@ -96,6 +104,8 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
     agent = SiteAgent(cfg, client)
     try:
         agent.start()
+        # Joined: from now on a silent coordinator is an outage to ride out, not a typo.
+        client.backoff = BackoffPolicy(initial_s=0.5, cap_s=15.0, deadline_s=args.outage_timeout)
     except (CoordinatorError, DeadlineExceeded) as exc:
         agent.stop(leave=False)
         print(
@@ -151,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"training script {command[0]!r} not found")
         if args.inner_steps is not None and args.inner_steps <= 0:
             raise UsageError(f"--inner-steps must be > 0, got {args.inner_steps}")
+        for flag in ("connect_timeout", "outage_timeout"):
+            if getattr(args, flag) <= 0:
+                name = "--" + flag.replace("_", "-")
+                raise UsageError(f"{name} must be > 0 seconds, got {getattr(args, flag)}")
         unknown = [f for f in launch_flags if f.startswith("-")]
         from torch.distributed.run import get_args_parser
 

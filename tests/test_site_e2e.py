@@ -14,10 +14,18 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from coord_harness import REPO, CoordinatorProcess, job_config, subprocess_env, write_config
+from coord_harness import (
+    REPO,
+    CoordinatorProcess,
+    job_config,
+    subprocess_env,
+    wait_until,
+    write_config,
+)
 
 from wire.identity import init_ca, issue
 
@@ -27,7 +35,9 @@ TRAIN = REPO / "examples" / "gpt_diloco" / "train.py"
 ROUNDS = 3
 
 
-def start_site(tmp: Path, address: str, index: int, env: dict) -> subprocess.Popen:
+def start_site(
+    tmp: Path, address: str, index: int, env: dict, agent_flags: tuple[str, ...] = ()
+) -> subprocess.Popen:
     site = f"site-{index}"
     issue(tmp / "ca", "site", site, tmp / "pki" / site)
     log = open(tmp / f"{site}.log", "w")  # noqa: SIM115 - owned by the child
@@ -48,6 +58,7 @@ def start_site(tmp: Path, address: str, index: int, env: dict) -> subprocess.Pop
         "2",
         "--connect-timeout",
         "30",
+        *agent_flags,
         "--",
         str(TRAIN),
         "--site-index",
@@ -69,9 +80,9 @@ def start_site(tmp: Path, address: str, index: int, env: dict) -> subprocess.Pop
     )
 
 
-def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
-    cfg = job_config(
-        name="site-e2e",
+def tiny_gpt_job(name: str, sites: int) -> dict:
+    return job_config(
+        name=name,
         strategy={"name": "diloco", "lr": 0.7, "momentum": 0.9},
         model={
             "factory": "examples.gpt_diloco.model:build_model",
@@ -80,28 +91,36 @@ def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
         rounds={
             "total": ROUNDS,
             "inner_steps": 8,
-            "min_sites": 2,
-            "max_sites": 2,
+            "min_sites": sites,
+            "max_sites": sites,
             "join_window_s": 30.0,
             "deadline_s": 300.0,
         },
         timeouts={"heartbeat_interval_s": 0.5, "lease_ttl_s": 30.0},
     )
-    init_ca(tmp_path / "ca", "site-e2e")
-    issue(
-        tmp_path / "ca",
-        "coordinator",
-        "coordinator",
-        tmp_path / "pki" / "coord",
-        hosts=("127.0.0.1",),
-    )
+
+
+def start_tls_coordinator(tmp_path: Path, cfg: dict) -> CoordinatorProcess:
+    init_ca(tmp_path / "ca", cfg["job"]["name"])
+    coord_pki = tmp_path / "pki" / "coord"
+    issue(tmp_path / "ca", "coordinator", "coordinator", coord_pki, hosts=("127.0.0.1",))
     coord = CoordinatorProcess(
         write_config(tmp_path, cfg),
         tmp_path / "state",
         tmp_path / "coordinator.log",
-        tls_dir=tmp_path / "pki" / "coord",
+        tls_dir=coord_pki,
     )
     coord.start()
+    return coord
+
+
+def final_theta_hash(tmp_path: Path) -> str:
+    meta = tmp_path / "state" / "checkpoints" / f"round-{ROUNDS:08d}" / "meta.json"
+    return json.loads(meta.read_text())["theta_sha256"]
+
+
+def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
+    coord = start_tls_coordinator(tmp_path, tiny_gpt_job("site-e2e", sites=2))
     env = subprocess_env()
     env["ISTHMUS_FAULTS"] = "site=site-0,round=1,step=3,rank=1,action=kill"
     sites = [start_site(tmp_path, coord.address, i, env) for i in range(2)]
@@ -142,3 +161,29 @@ def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
     val = {r["round"]: r["val_loss"] for r in records if "val_loss" in r}
     assert sorted(val) == list(range(ROUNDS + 1))
     assert val[1] < val[0] and val[ROUNDS] < val[1], val
+
+
+def test_a_site_rides_out_a_coordinator_outage_longer_than_its_connect_timeout(tmp_path):
+    """kill -9 of the coordinator for twice the site's --connect-timeout: the joined site keeps
+    retrying (--outage-timeout), re-joins the restarted coordinator and the job completes."""
+    coord = start_tls_coordinator(tmp_path, tiny_gpt_job("outage", sites=1))
+    flags = ("--connect-timeout", "3")
+    site = start_site(tmp_path, coord.address, 0, subprocess_env(), flags)
+    try:
+        first_close = tmp_path / "state" / "checkpoints" / "round-00000001"
+        wait_until(first_close.exists, timeout=120, interval=0.1, what="round 0 to close")
+        coord.kill()
+        time.sleep(6)
+        assert site.poll() is None, "the site gave up during the outage"
+        coord.restart()
+        assert site.wait(timeout=180) == 0, (tmp_path / "site-0.log").read_text()[-3000:]
+        assert coord.wait(timeout=60) == 0, coord.log_tail()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(site.pid, signal.SIGKILL)
+        coord.stop()
+    final = json.loads((tmp_path / "site-0" / "final.json").read_text())
+    assert final["version"] == ROUNDS
+    assert final["theta_hash"] == final_theta_hash(tmp_path)
+    log = (tmp_path / "site-0.log").read_text()
+    assert "heartbeat failed" in log and "re-join" in log  # it retried, then re-joined

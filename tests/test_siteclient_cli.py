@@ -56,6 +56,10 @@ def siteclient(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
             ],
             "--nproc-per-node",
         ),
+        (
+            ["--coordinator", "127.0.0.1:1", "--site", "a", "--outage-timeout", "0", "--", TRAIN],
+            "--outage-timeout must be > 0 seconds, got 0.0",
+        ),
     ],
 )
 def test_bad_command_line_exits_with_one_line(args, expected):
