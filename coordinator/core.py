@@ -100,8 +100,11 @@ class CoordinatorCore(UpdateIntake, RoundClock):
         if saved is not None and not self.finished:
             # The round in flight at a crash: same participants, updates already spooled count.
             expected = sorted(saved["participants"])
+            # The deadline runs from when the round first opened, not from this restart, or
+            # repeated crashes could hold a round open for ever.
+            elapsed = max(0.0, time.time() - saved.get("opened_wall", time.time()))
             self.round = replace(
-                self.round, opened_at=self.clock(), participants=frozenset(expected)
+                self.round, opened_at=self.clock() - elapsed, participants=frozenset(expected)
             )
             for update in self.spool.completed(ckpt.round):
                 self.accepted[update.site] = update

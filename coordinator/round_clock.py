@@ -45,9 +45,7 @@ class RoundClock:
             was_open = self.round.opened_at is not None
             self.round = open_round(now, self.round, live, self.opts)
             if not was_open and self.round.opened_at is not None:
-                self.spool.write_round(
-                    self.round.number, {"participants": sorted(self.round.participants)}
-                )
+                self._save_round(now)
                 try:
                     call_hook(self.strategy, "begin_round", self.round.number, self.theta)
                 except StrategyError as exc:
@@ -62,9 +60,7 @@ class RoundClock:
             before = self.round.participants
             self.round = admit_latecomers(now, self.round, live, self.opts)
             if self.round.participants != before:
-                self.spool.write_round(
-                    self.round.number, {"participants": sorted(self.round.participants)}
-                )
+                self._save_round(now)
                 log.warning(
                     "round %d is past its deadline below quorum; admitting %s",
                     self.round.number,
@@ -78,6 +74,15 @@ class RoundClock:
             closing = self.round
         self._close(closing, updates, decision.reason)
         return True
+
+    def _save_round(self, now: float) -> None:
+        """Who is in the open round and since when (wall clock: monotonic time does not
+        survive a restart), so a restarted coordinator keeps the round's deadline."""
+        opened_wall = time.time() - (now - self.round.opened_at)
+        self.spool.write_round(
+            self.round.number,
+            {"participants": sorted(self.round.participants), "opened_wall": opened_wall},
+        )
 
     def _close(self, state: RoundState, updates: list[SpooledUpdate], reason: str) -> None:
         started = time.monotonic()
