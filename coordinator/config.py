@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from wire.codecs.rules import CodecConfigError, CompressionConfig
+
 
 class ConfigError(ValueError):
     """A job config that cannot run; the message names the key."""
@@ -112,6 +114,7 @@ class JobConfig:
     server: ServerConfig
     source_toml: bytes = b""
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
 
 class _Table:
@@ -205,6 +208,10 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
     params = {k: v for k, v in s.data.items() if k != "name"}
     strategy = StrategyConfig(strategy_name, params)
     aggregation = _parse_aggregation(root.table("aggregation"))
+    try:  # sites read the same table from the config the coordinator hands them on Join
+        compression = CompressionConfig.from_dict(root.table("compression").data)
+    except CodecConfigError as exc:
+        raise ConfigError(str(exc)) from exc
 
     r = root.table("rounds")
     rounds = RoundsConfig(
@@ -246,7 +253,16 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
     sv.reject_unknown()
     root.reject_unknown()
     return JobConfig(
-        name, state_dir, model, strategy, rounds, timeouts, server, source, aggregation
+        name,
+        state_dir,
+        model,
+        strategy,
+        rounds,
+        timeouts,
+        server,
+        source,
+        aggregation,
+        compression,
     )
 
 

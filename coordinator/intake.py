@@ -69,10 +69,11 @@ class UpdateIntake:
             return False
         try:
             upload.verify()
+            # Encoded tensors are decoded (and so fully checked) here, one at a time.
             for name, t in read_tensors(upload.path, upload.manifest):
                 if not bool(torch.isfinite(t).all()):
                     raise ChunkError(f"tensor {name!r} contains NaN or Inf values")
-        except ChunkError as exc:
+        except (ChunkError, PayloadError) as exc:
             self.uploads.discard(upload)
             raise Refused("invalid", f"update from {upload.site} refused: {exc}") from exc
         with self.lock:

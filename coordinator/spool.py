@@ -31,7 +31,7 @@ import torch
 from coordinator.store import fsync_dir
 from strategies.base import SiteUpdate
 from strategies.robust import weighted_mean_of
-from wire.tensors import DTYPES, Manifest, TensorEntry
+from wire.tensors import Manifest, TensorEntry, entry_tensor
 
 # Site names start with a letter or digit, so no site's "SITE.json" can be this file.
 ROUND_FILE = "_round.json"
@@ -58,6 +58,7 @@ def _entries_to_json(manifest: Manifest) -> list[dict]:
             "offset": e.offset,
             "nbytes": e.nbytes,
             "codec": e.codec,
+            "codec_meta": e.codec_meta.hex(),
         }
         for e in manifest.entries
     ]
@@ -65,7 +66,15 @@ def _entries_to_json(manifest: Manifest) -> list[dict]:
 
 def _entries_from_json(items: list[dict], total: int, sha: bytes) -> Manifest:
     entries = tuple(
-        TensorEntry(i["name"], i["dtype"], tuple(i["shape"]), i["offset"], i["nbytes"], i["codec"])
+        TensorEntry(
+            i["name"],
+            i["dtype"],
+            tuple(i["shape"]),
+            i["offset"],
+            i["nbytes"],
+            i["codec"],
+            bytes.fromhex(i.get("codec_meta", "")),
+        )
         for i in items
     )
     return Manifest(entries, total, sha)
@@ -78,7 +87,7 @@ def read_tensors(path: Path, manifest: Manifest):
     data = np.memmap(path, dtype=np.uint8, mode="c", shape=(manifest.total_bytes,))
     for e in manifest.entries:
         raw = torch.from_numpy(data[e.offset : e.offset + e.nbytes])
-        yield e.name, raw.view(DTYPES[e.dtype]).reshape(e.shape)
+        yield e.name, entry_tensor(e, raw)  # decoded one tensor at a time if encoded
 
 
 class UpdateSpool:

@@ -25,6 +25,12 @@ from pathlib import Path
 import grpc
 from safetensors.torch import load_file, save_file
 
+from site_client.compression import (
+    CODEC_STATE_FILE,
+    compression_of,
+    load_codec_state,
+    save_codec_state,
+)
 from site_client.coordinator_client import CoordinatorClient, CoordinatorError
 from site_client.local_ipc import IpcServer
 from wire.backoff import DeadlineExceeded
@@ -82,6 +88,8 @@ class SiteAgent:
         self.heartbeat_interval_s = reply.heartbeat_interval_s or 5.0
         self.job_name = reply.job_name
         self.job_config = reply.job_config.decode("utf-8", "replace")
+        self.compression = compression_of(self.job_config)
+        self.codec_state = load_codec_state(self.cfg.run_dir / CODEC_STATE_FILE)
         with self.cond:
             self.info = reply.round
         self.ipc.start()
@@ -208,17 +216,26 @@ class SiteAgent:
         started = time.monotonic()
         delta = load_file(job["path"])
         sent_before = self.client.bytes_sent
+        residuals = {k: v.clone() for k, v in self.codec_state.state_dict().items()}
         try:
             reply = self.client.push(
-                job["round"], delta, weight=job["weight"], base_version=job["version"]
+                job["round"],
+                delta,
+                weight=job["weight"],
+                base_version=job["version"],
+                compression=self.compression,
+                codec_state=self.codec_state,
             )
             outcome = reply.message
+            # Delivered: the residuals the encoding left are what the next round adds back.
+            save_codec_state(self.cfg.run_dir / CODEC_STATE_FILE, self.codec_state)
         except CoordinatorError as exc:
             if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
             # The round closed without this site (deadline): the strategy's rule for late
             # updates applies, and the trainers go on with the next round.
             outcome = f"dropped: {exc}"
+            self.codec_state.load_state_dict(residuals)
             log.warning("[%s] round %d update not counted: %s", self.cfg.site, job["round"], exc)
         Path(job["path"]).unlink(missing_ok=True)
         with self.cond:

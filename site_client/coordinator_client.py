@@ -19,10 +19,12 @@ import torch
 from wire.backoff import BackoffPolicy, retry
 from wire.channel import open_channel
 from wire.chunking import DEFAULT_CHUNK_BYTES, BufferSink, ChunkError, Reassembler, iter_chunks
+from wire.codecs import CodecState
+from wire.codecs.rules import CompressionConfig
 from wire.identity import Bundle
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
-from wire.tensors import Manifest, PayloadError, pack, state_hash, unpack
+from wire.tensors import Manifest, PayloadError, pack, pack_encoded, state_hash, unpack
 
 log = logging.getLogger("isthmus.site")
 TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -238,13 +240,21 @@ class CoordinatorClient:
         base_version: int | None = None,
         upload_id: str | None = None,
         data_unit: str = "",
+        compression: CompressionConfig | None = None,
+        codec_state: CodecState | None = None,
     ) -> pb.PushReply:
         """Send a pseudo-gradient for ``round_number``; resumes from the acknowledged offset.
 
-        An update the coordinator already counted (e.g. sent again after a coordinator
-        restart) is reported as delivered.
+        With ``compression`` each tensor is encoded by the codec its rules pick, error
+        feedback kept in ``codec_state`` (encoded once: retries resend the same bytes). An
+        update the coordinator already counted (e.g. sent again after a coordinator restart)
+        is reported as delivered.
         """
-        manifest, payload = pack(delta)
+        if compression is None:
+            manifest, payload = pack(delta)
+        else:
+            manifest, payload = pack_encoded(delta, compression, codec_state or CodecState())
+        self.last_push_bytes = len(payload)
         upload_id = upload_id or f"r{round_number}-{uuid.uuid4().hex[:16]}"
         base = round_number if base_version is None else base_version
         progress = {"acked": 0, "tries": 0}

@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from wire.codecs import (
+    CODEC_NAMES,
+    MAX_META_BYTES,
+    CodecError,
+    CodecState,
+    decode,
+    meta_info,
+)
+from wire.codecs.rules import CompressionConfig, choose_codec
 from wire.proto import isthmus_pb2 as pb
 
 ALIGN = 64
@@ -31,7 +40,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-CODECS = ("none",)
+CODECS = CODEC_NAMES
 MAX_TENSOR_NAME = 512
 MAX_TENSORS = 100_000
 
@@ -145,6 +154,10 @@ def validate_manifest(manifest: Manifest, max_total_bytes: int | None = None) ->
             shown = list(e.shape[:8]) + (["..."] if len(e.shape) > 8 else [])
             raise PayloadError(f"tensor {e.name!r} has an invalid shape {shown}")
         itemsize = torch.empty((), dtype=DTYPES[e.dtype]).element_size()
+        if e.codec != "none":
+            _check_codec_meta(e)
+        elif e.codec_meta:
+            raise PayloadError(f"tensor {e.name!r}: raw bytes (codec 'none') carry no codec_meta")
         if e.codec == "none" and e.nbytes != e.numel * itemsize:
             raise PayloadError(
                 f"tensor {e.name!r}: {e.nbytes} bytes do not hold shape {list(e.shape)} "
@@ -158,6 +171,25 @@ def validate_manifest(manifest: Manifest, max_total_bytes: int | None = None) ->
                 f"past the payload's {manifest.total_bytes} bytes"
             )
         end_of_previous = e.offset + e.nbytes
+
+
+def _check_codec_meta(e: TensorEntry) -> None:
+    if len(e.codec_meta) > MAX_META_BYTES:
+        raise PayloadError(f"tensor {e.name!r}: codec_meta of {len(e.codec_meta)} bytes")
+    try:
+        info = meta_info(e.codec_meta)
+    except CodecError as exc:
+        raise PayloadError(f"tensor {e.name!r}: {exc}") from exc
+    if info["data_nbytes"] != e.nbytes:
+        raise PayloadError(
+            f"tensor {e.name!r}: codec_meta says {info['data_nbytes']} bytes, the manifest "
+            f"{e.nbytes}"
+        )
+    if info.get("numel") != e.numel or info.get("codec") != e.codec:
+        raise PayloadError(
+            f"tensor {e.name!r}: its codec_meta describes {info.get('numel')} elements of "
+            f"codec {str(info.get('codec'))[:20]!r}, the manifest {e.numel} of {e.codec!r}"
+        )
 
 
 def pack(tensors: Mapping[str, torch.Tensor]) -> tuple[Manifest, memoryview]:
@@ -179,6 +211,40 @@ def pack(tensors: Mapping[str, torch.Tensor]) -> tuple[Manifest, memoryview]:
     return Manifest(tuple(entries), total, digest), payload
 
 
+def pack_encoded(
+    tensors: Mapping[str, torch.Tensor], config: CompressionConfig, state: CodecState
+) -> tuple[Manifest, memoryview]:
+    """Like ``pack``, each tensor encoded by the codec ``config`` picks for it.
+
+    Error-feedback codecs update their residual in ``state``; tensors whose codec is ``none``
+    travel as raw bytes, exactly as ``pack`` lays them out.
+    """
+    parts: list[tuple[str, torch.Tensor, str, bytes, str]] = []
+    for name, t in tensors.items():
+        codec = choose_codec(name, t, config)
+        if codec.name == "none":
+            raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            parts.append((name, t, "none", b"", raw))
+        else:
+            enc = state.encode(name, t, codec)
+            parts.append((name, t, enc.codec, enc.meta, enc.data))
+    entries, offset = [], 0
+    for name, t, codec, meta, data in parts:
+        entries.append(
+            TensorEntry(
+                name, dtype_name(t.dtype), tuple(t.shape), offset, data.numel(), codec, meta
+            )
+        )
+        offset = _aligned(offset + data.numel())
+    total = entries[-1].offset + entries[-1].nbytes if entries else 0
+    buf = torch.zeros(total, dtype=torch.uint8)
+    for e, (*_, data) in zip(entries, parts, strict=True):
+        if e.nbytes:
+            buf[e.offset : e.offset + e.nbytes].copy_(data)
+    payload = memoryview(buf.numpy()).cast("B")
+    return Manifest(tuple(entries), total, hashlib.sha256(payload).digest()), payload
+
+
 def unpack(manifest: Manifest, payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     """Tensors from a verified payload. The tensors share memory with a writable payload."""
     validate_manifest(manifest)
@@ -197,8 +263,19 @@ def unpack(manifest: Manifest, payload: bytes | bytearray | memoryview) -> dict[
             out[e.name] = torch.empty(e.shape, dtype=dtype)
             continue
         raw = torch.frombuffer(payload, dtype=torch.uint8, count=e.nbytes, offset=e.offset)
-        out[e.name] = raw.view(dtype).reshape(e.shape)
+        out[e.name] = entry_tensor(e, raw)
     return out
+
+
+def entry_tensor(e: TensorEntry, raw: torch.Tensor) -> torch.Tensor:
+    """The tensor an entry's bytes hold: a view for raw bytes, decoded (and checked) for a
+    codec. Raises ``PayloadError`` for encoded bytes that do not decode."""
+    if e.codec == "none":
+        return raw.view(DTYPES[e.dtype]).reshape(e.shape)
+    try:
+        return decode(raw, e.codec_meta, e.shape, dtype=DTYPES[e.dtype], codec=e.codec, name=e.name)
+    except CodecError as exc:
+        raise PayloadError(str(exc)) from exc
 
 
 def payload_sha256(payload: bytes | bytearray | memoryview) -> bytes:
