@@ -1,4 +1,4 @@
-"""Received updates on disk, and their sum in a fixed order.
+"""Received updates on disk, read back one tensor at a time when the round is summed.
 
 Each upload streams into ``spool/round-NNNNNNNN/SITE+UPLOAD.part``; when its SHA-256 and contents
 verify it is fsynced and renamed to ``SITE.update`` beside a ``SITE.json`` that records its
@@ -9,7 +9,7 @@ whole or not at all (a site can die half-way, a chunk can fail its checksum at t
 floating-point addition is not associative, so a sum taken in arrival order would differ from
 run to run. Summing verified updates in site-name order at round close makes theta_{r+1} a
 function of the set of updates alone: the same after a coordinator crash and replay, bit for bit.
-The sum still streams: one tensor of one update is read (memory-mapped) at a time, so memory is
+The sum (``strategies.robust.weighted_mean_of``) still streams: one tensor of one update is read (memory-mapped) at a time, so memory is
 about one model for the accumulator whatever the number of sites. Spooled updates also survive a
 coordinator crash, so the round in flight resumes without sites sending them again. Robust
 aggregation (median, trimmed mean, clipping) and strategies that take every update read the
@@ -30,7 +30,6 @@ import torch
 
 from coordinator.store import fsync_dir
 from strategies.base import SiteUpdate
-from strategies.robust import weighted_mean_of
 from wire.tensors import Manifest, TensorEntry, entry_tensor
 
 # Site names start with a letter or digit, so no site's "SITE.json" can be this file.
@@ -176,10 +175,3 @@ class UpdateSpool:
         for d in self.root.glob("round-*"):
             if int(d.name.removeprefix("round-")) < round_number:
                 shutil.rmtree(d, ignore_errors=True)
-
-
-def weighted_mean(
-    updates: list[SpooledUpdate], like: dict[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], float]:
-    """``sum_i w_i delta_i / sum_i w_i`` in float32, summed in site-name order."""
-    return weighted_mean_of([u.as_site_update() for u in updates], like)

@@ -10,14 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.spool import UpdateSpool, weighted_mean
+from coordinator.spool import SpooledUpdate, UpdateSpool
 from strategies import Aggregate, DiLoCo, FedAvg, Strategy, StrategyError, load_strategy
 from strategies.diloco import DiLoCoConfig
+from strategies.robust import weighted_mean_of
 
 try:  # tests/ as a package or as a plain folder on sys.path
     from .strategy_helpers import SHAPES, SITES, QuadraticSite, make_sites, spool_update, theta0
 except ImportError:
     from strategy_helpers import SHAPES, SITES, QuadraticSite, make_sites, spool_update, theta0
+
+
+def weighted_mean(updates: list[SpooledUpdate], like) -> tuple[dict, float]:
+    """The mean the coordinator takes at round close, over spooled updates."""
+    return weighted_mean_of([u.as_site_update() for u in updates], like)
 
 
 def _coordinator_round(strategy: Strategy, spool: UpdateSpool, r: int, theta, sites):
