@@ -9,8 +9,9 @@ whole or not at all (a site can die half-way, a chunk can fail its checksum at t
 floating-point addition is not associative, so a sum taken in arrival order would differ from
 run to run. Summing verified updates in site-name order at round close makes theta_{r+1} a
 function of the set of updates alone: the same after a coordinator crash and replay, bit for bit.
-The sum (``strategies.robust.weighted_mean_of``) still streams: one tensor of one update is read (memory-mapped) at a time, so memory is
-about one model for the accumulator whatever the number of sites. Spooled updates also survive a
+The sum (``strategies.robust.weighted_mean_of``) still streams: one tensor of one update is
+read (memory-mapped) at a time, so memory is about one model for the accumulator whatever the
+number of sites. Spooled updates also survive a
 coordinator crash, so the round in flight resumes without sites sending them again. Robust
 aggregation (median, trimmed mean, clipping) and strategies that take every update read the
 same files, memory-mapped, through ``SpooledUpdate.as_site_update``.
