@@ -39,6 +39,11 @@ Example::
 
     [server]
     listen = "127.0.0.1:7070"
+
+    [compression]            # pseudo-gradients up (see wire/codecs/rules.py)
+    default = "int8"
+    [compression.downlink]   # optional: theta_{r+1} down as an encoded delta from theta_r
+    default = "int8"
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wire.codecs.rules import CodecConfigError, CompressionConfig
+from wire.codecs.rules import CodecConfigError, CompressionConfig, compression_tables
 
 
 class ConfigError(ValueError):
@@ -115,6 +120,8 @@ class JobConfig:
     source_toml: bytes = b""
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    # None: each round's theta is fetched whole. Set: as an encoded delta from the last one.
+    downlink: CompressionConfig | None = None
 
 
 class _Table:
@@ -209,7 +216,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
     strategy = StrategyConfig(strategy_name, params)
     aggregation = _parse_aggregation(root.table("aggregation"))
     try:  # sites read the same table from the config the coordinator hands them on Join
-        compression = CompressionConfig.from_dict(root.table("compression").data)
+        compression, downlink = compression_tables(root.table("compression").data)
     except CodecConfigError as exc:
         raise ConfigError(str(exc)) from exc
 
@@ -263,6 +270,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         source,
         aggregation,
         compression,
+        downlink,
     )
 
 

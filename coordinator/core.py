@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from coordinator.config import JobConfig
+from coordinator.downlink import Downlink
 from coordinator.intake import UpdateIntake
 from coordinator.leases import LeaseError, LeaseTable
 from coordinator.model_source import initial_theta, trainable_names
@@ -66,6 +67,7 @@ class CoordinatorCore(UpdateIntake, RoundClock):
         self.bytes_in = 0
         self.bytes_out = 0
         self.last_close_reason = ""
+        self.downlink = Downlink(cfg.downlink) if cfg.downlink is not None else None
         self._restore()
         # Before any round: a job whose updates cannot be combined within memory stops here.
         like = {n: self.theta[n] for n in self.trainable}
@@ -92,6 +94,8 @@ class CoordinatorCore(UpdateIntake, RoundClock):
                 self.rejections.append(f"round {closed['number']}: {site}: {reason}")
             log.info("resumed job %r at round %d (epoch %d)", self.cfg.name, ckpt.round, self.epoch)
         self.theta = ckpt.theta
+        if self.downlink is not None:
+            self.downlink.load_state_dict(ckpt.downlink, ckpt.round)
         self.trainable = trainable_names(self.theta)
         self.round = RoundState(number=ckpt.round)
         self._publish()
@@ -132,7 +136,11 @@ class CoordinatorCore(UpdateIntake, RoundClock):
 
     def _publish(self) -> None:
         manifest, payload = pack(self.theta)
-        self.published = Published(self.round.number, state_hash(self.theta), manifest, payload)
+        d = self.downlink
+        delta = (d.from_version, d.manifest, d.payload) if d is not None else (None, None, None)
+        self.published = Published(
+            self.round.number, state_hash(self.theta), manifest, payload, *delta
+        )
 
     @property
     def finished(self) -> bool:
@@ -196,7 +204,16 @@ class CoordinatorCore(UpdateIntake, RoundClock):
 
     # ---- theta downlink -------------------------------------------------------------------
 
-    def fetch(self, site: str, token: int, version: int | None, offset: int) -> Published:
+    def fetch(
+        self,
+        site: str,
+        token: int,
+        version: int | None,
+        offset: int,
+        from_version: int | None = None,
+    ) -> tuple[Published, bool]:
+        """What to stream: the published theta and whether to serve it as the delta from
+        ``from_version`` (only when that is the version the delta starts from)."""
         with self.lock:
             self._lease(site, token)
             pub = self.published
@@ -205,11 +222,11 @@ class CoordinatorCore(UpdateIntake, RoundClock):
                 "not_found",
                 f"version {version} is not served; the current version is {pub.version}",
             )
-        if not 0 <= offset <= pub.manifest.total_bytes:
-            raise Refused(
-                "invalid", f"offset {offset} outside the {pub.manifest.total_bytes}-byte payload"
-            )
-        return pub
+        as_delta = from_version is not None and from_version == pub.delta_from
+        total = pub.delta_manifest.total_bytes if as_delta else pub.manifest.total_bytes
+        if not 0 <= offset <= total:
+            raise Refused("invalid", f"offset {offset} outside the {total}-byte payload")
+        return pub, as_delta
 
 
 def _keep(record: SiteRecord | None, *names: str) -> dict:

@@ -41,7 +41,13 @@ class SiteRecord:
 
 @dataclass(frozen=True)
 class Published:
+    """What Fetch serves: theta_version whole and, with a compressed downlink, the encoded
+    delta from version ``delta_from``."""
+
     version: int
     theta_hash: bytes
     manifest: Manifest
     payload: memoryview
+    delta_from: int | None = None
+    delta_manifest: Manifest | None = None
+    delta_payload: memoryview | bytes | None = None

@@ -104,6 +104,9 @@ class RoundClock:
                 )
             # Read only after a successful step, so a failed one never reaches the checkpoint.
             strategy_state = check_state(self.strategy, call_hook(self.strategy, "state_dict"))
+            if self.downlink is not None:
+                # theta_{r+1} becomes exactly what the sites will rebuild from the delta.
+                new_theta = self.downlink.step(self.theta, new_theta, state.number)
         except Exception as exc:
             with self.lock:
                 self.fatal = (
@@ -127,6 +130,7 @@ class RoundClock:
                     "clipped": outcome.clipped,
                 },
             },
+            self.downlink.state_dict() if self.downlink is not None else {},
         )
         self.store.save(ckpt)
         with self.lock:

@@ -176,13 +176,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def _fetch(self, request: pb.FetchRequest):
         version = request.version if request.HasField("version") else None
-        pub = self.core.fetch(request.lease.site, request.lease.token, version, request.offset)
-        yield pb.FetchMessage(
-            header=pb.FetchHeader(
-                version=pub.version, theta_hash=pub.theta_hash, manifest=pub.manifest.to_proto()
-            )
+        held = request.from_version if request.HasField("from_version") else None
+        pub, as_delta = self.core.fetch(
+            request.lease.site, request.lease.token, version, request.offset, held
         )
-        for offset, data in iter_chunks(pub.payload, self.chunk_bytes, start=request.offset):
+        header = pb.FetchHeader(version=pub.version, theta_hash=pub.theta_hash)
+        if as_delta:
+            header.from_version = pub.delta_from
+            header.manifest.CopyFrom(pub.delta_manifest.to_proto())
+            payload = pub.delta_payload
+        else:
+            header.manifest.CopyFrom(pub.manifest.to_proto())
+            payload = pub.payload
+        yield pb.FetchMessage(header=header)
+        for offset, data in iter_chunks(payload, self.chunk_bytes, start=request.offset):
             yield pb.FetchMessage(chunk=pb.Chunk(offset=offset, data=bytes(data)))
             self.core.count_sent(len(data))
 

@@ -43,6 +43,9 @@ class Checkpoint:
     theta: dict[str, torch.Tensor]
     strategy_state: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    # The compressed downlink: its error-feedback residuals and the delta theta_{r-1} -> theta_r
+    # as served (``coordinator.downlink``); empty without one.
+    downlink: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def fsync_dir(path: Path) -> None:
@@ -113,16 +116,19 @@ class CheckpointStore:
         tmp.mkdir()
         theta = _contiguous(ckpt.theta)
         strategy_state = _contiguous(ckpt.strategy_state)
+        downlink = _contiguous(ckpt.downlink)
         meta = {
             **ckpt.meta,
             "format": FORMAT,
             "round": ckpt.round,
             "theta_sha256": state_hash(theta).hex(),
             "strategy_sha256": state_hash(strategy_state).hex(),
+            "downlink_sha256": state_hash(downlink).hex(),
             "written_at": time.time(),
         }
         save_file(theta, str(tmp / "theta.safetensors"))
         save_file(strategy_state, str(tmp / "strategy.safetensors"))
+        save_file(downlink, str(tmp / "downlink.safetensors"))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
         for f in tmp.iterdir():
             fsync_file(f)
@@ -175,6 +181,8 @@ class CheckpointStore:
         try:
             theta = load_file(str(path / "theta.safetensors"))
             strategy_state = load_file(str(path / "strategy.safetensors"))
+            downlink_file = path / "downlink.safetensors"
+            downlink = load_file(str(downlink_file)) if downlink_file.exists() else {}
         except Exception as exc:  # safetensors raises its own error types for damaged files
             raise StoreError(f"tensor file unreadable: {exc}") from exc
         if state_hash(theta).hex() != meta.get("theta_sha256"):
@@ -182,7 +190,10 @@ class CheckpointStore:
         want = meta.get("strategy_sha256")
         if want is not None and state_hash(strategy_state).hex() != want:
             raise StoreError("strategy.safetensors does not match the hash in meta.json")
+        want = meta.get("downlink_sha256")
+        if want is not None and state_hash(downlink).hex() != want:
+            raise StoreError("downlink.safetensors does not match the hash in meta.json")
         round_number = meta.get("round")
         if not isinstance(round_number, int) or path.name != f"round-{round_number:08d}":
             raise StoreError(f"meta.json names round {round_number!r}, the folder is {path.name}")
-        return Checkpoint(round_number, theta, strategy_state, meta)
+        return Checkpoint(round_number, theta, strategy_state, meta, downlink)

@@ -31,7 +31,7 @@ from site_client.compression import (
     load_codec_state,
     save_codec_state,
 )
-from site_client.coordinator_client import CoordinatorClient, CoordinatorError
+from site_client.coordinator_client import CoordinatorClient, CoordinatorError, GlobalState
 from site_client.local_ipc import IpcServer
 from wire.backoff import DeadlineExceeded
 from wire.proto import isthmus_pb2 as pb
@@ -60,6 +60,7 @@ class SiteAgent:
         self.cond = threading.Condition()
         self.info: pb.RoundInfo | None = None
         self.ready: dict | None = None  # theta published to the trainers
+        self.held: GlobalState | None = None  # theta as fetched: the base of the next delta
         self.pending: dict | None = None  # an update handed over, not yet pushed
         self.pushed: set[int] = set()
         self.progress = pb.Progress(phase="idle")
@@ -170,7 +171,7 @@ class SiteAgent:
             self.progress.phase = "fetching"
         started = time.monotonic()
         try:
-            state = self.client.fetch(info.version)
+            state = self.client.fetch(info.version, held=self.held)
         except CoordinatorError as exc:
             if exc.code != grpc.StatusCode.NOT_FOUND:
                 raise
@@ -179,6 +180,7 @@ class SiteAgent:
             with self.cond:
                 self.info = self.client.heartbeat().round
             return
+        self.held = state
         path = self.cfg.shm_dir / f"theta-v{state.version}.safetensors"
         tmp = path.with_suffix(".tmp")
         save_file(state.theta, str(tmp))

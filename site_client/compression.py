@@ -10,15 +10,16 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from wire.codecs import CodecState
-from wire.codecs.rules import CompressionConfig
+from wire.codecs.rules import CompressionConfig, compression_tables
 
 CODEC_STATE_FILE = "codec_state.safetensors"
 
 
 def compression_of(job_toml: str) -> CompressionConfig | None:
-    """The job's ``[compression]`` rules (None: raw float32, the table is absent)."""
+    """The job's ``[compression]`` uplink rules (None: raw float32, the table is absent).
+    The downlink sub-table is the coordinator's business: deltas describe themselves."""
     table = tomllib.loads(job_toml).get("compression") if job_toml else None
-    return None if table is None else CompressionConfig.from_dict(table)
+    return None if table is None else compression_tables(table)[0]
 
 
 def load_codec_state(path: Path) -> CodecState:

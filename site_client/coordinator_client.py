@@ -21,6 +21,7 @@ from wire.channel import open_channel
 from wire.chunking import DEFAULT_CHUNK_BYTES, BufferSink, ChunkError, Reassembler, iter_chunks
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
+from wire.downlink import apply_delta, differing
 from wire.identity import Bundle
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
@@ -80,6 +81,7 @@ class CoordinatorClient:
         self.join_reply: pb.JoinReply | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.delta_mismatches = 0
 
     def close(self) -> None:
         self.channel.close()
@@ -177,28 +179,65 @@ class CoordinatorClient:
 
     # ---- theta downlink -------------------------------------------------------------------
 
-    def fetch(self, version: int | None = None) -> GlobalState:
-        """Download theta (the current version, or ``version``), resuming after breaks."""
-        state: dict = {"manifest": None, "sink": None, "asm": None, "hash": b"", "version": 0}
+    def fetch(self, version: int | None = None, held: GlobalState | None = None) -> GlobalState:
+        """Download theta (the current version, or ``version``), resuming after breaks.
+
+        With ``held`` (the theta this site holds) the coordinator may send the compressed delta
+        from it instead of the whole state; the result is checked against the coordinator's
+        hash, and a mismatch falls back to a whole fetch, logging the tensors that differed.
+        """
+        if held is not None and version is not None and held.version == version:
+            return held
+        got = self._fetch_payload(version, held.version if held is not None else None)
+        manifest, payload, header = got
+        try:
+            if header.HasField("from_version"):
+                if held is None or header.from_version != held.version:
+                    raise PayloadError(f"a delta from version {header.from_version} came back")
+                theta = apply_delta(held.theta, manifest, payload)
+            else:
+                theta = unpack(manifest, payload)
+        except PayloadError as exc:
+            raise CoordinatorError(None, f"fetch: bad payload from coordinator: {exc}") from exc
+        state = GlobalState(header.version, theta, header.theta_hash)
+        if state_hash(theta) == header.theta_hash:
+            return state
+        if not header.HasField("from_version"):
+            raise CoordinatorError(None, "fetch: theta does not match the coordinator's hash")
+        whole = self.fetch(header.version)
+        log.error(
+            "theta_%d rebuilt from the delta does not match the coordinator's hash; fetched it "
+            "whole. Tensors that differed: %s",
+            header.version,
+            ", ".join(differing(theta, whole.theta)) or "(none: only the hash)",
+        )
+        self.delta_mismatches += 1
+        return whole
+
+    def _fetch_payload(self, version: int | None, from_version: int | None):
+        state: dict = {"manifest": None, "sink": None, "asm": None, "header": None}
 
         def attempt():
             asm = state["asm"]
             offset = asm.received if asm is not None else 0
             req = pb.FetchRequest(lease=self.lease, offset=offset)
+            if from_version is not None:
+                req.from_version = from_version
             if version is not None:
                 req.version = version
-            elif state["manifest"] is not None:
-                req.version = state["version"]  # continue the same version we started
+            elif state["header"] is not None:
+                req.version = state["header"].version  # continue the version we started
             try:
                 receive(self.stub.Fetch(req, timeout=self.transfer_timeout_s), offset)
             except grpc.RpcError as exc:
-                pinned = version is None and state["manifest"] is not None
+                pinned = version is None and state["header"] is not None
                 if exc.code() != grpc.StatusCode.NOT_FOUND or not pinned:
                     raise
                 # The version being resumed is no longer served (its round closed meanwhile):
                 # start over on the current one.
-                state.update(manifest=None, sink=None, asm=None)
-                raise ChunkError(f"version {state['version']} is gone; fetching anew") from exc
+                gone = state["header"].version
+                state.update(manifest=None, sink=None, asm=None, header=None)
+                raise ChunkError(f"version {gone} is gone; fetching anew") from exc
             state["asm"].finish()
 
         def receive(stream, offset: int) -> None:
@@ -210,24 +249,20 @@ class CoordinatorClient:
                         state.update(
                             manifest=manifest,
                             sink=sink,
-                            version=msg.header.version,
-                            hash=msg.header.theta_hash,
+                            header=msg.header,
                             asm=Reassembler(manifest.total_bytes, manifest.sha256, sink),
                         )
                         if offset:
-                            raise ChunkError("the coordinator moved to a new version; restarting")
+                            raise ChunkError("the coordinator moved to a new payload; restarting")
                     continue
                 state["asm"].add(msg.chunk.offset, msg.chunk.data)
                 self.bytes_received += len(msg.chunk.data)
 
         try:
             self._call("fetch", attempt)
-            theta = unpack(state["manifest"], state["sink"].buffer)
-        except (ChunkError, PayloadError) as exc:
+        except ChunkError as exc:
             raise CoordinatorError(None, f"fetch: bad payload from coordinator: {exc}") from exc
-        if state_hash(theta) != state["hash"]:
-            raise CoordinatorError(None, "fetch: theta does not match the coordinator's hash")
-        return GlobalState(state["version"], theta, state["hash"])
+        return state["manifest"], state["sink"].buffer, state["header"]
 
     # ---- updates --------------------------------------------------------------------------
 

@@ -97,6 +97,8 @@ def tiny_gpt_job(name: str, sites: int) -> dict:
             "deadline_s": 300.0,
         },
         timeouts={"heartbeat_interval_s": 0.5, "lease_ttl_s": 30.0},
+        # int8 both ways: the sites rebuild each theta from the coordinator's delta.
+        compression={"default": "int8", "downlink": {"default": "int8"}},
     )
 
 

@@ -56,6 +56,7 @@ def test_save_load_round_trip(tmp_path: Path):
 def test_save_does_not_pickle(tmp_path: Path):
     path = CheckpointStore(tmp_path).save(_ckpt(1))
     assert sorted(p.name for p in path.iterdir()) == [
+        "downlink.safetensors",
         "meta.json",
         "strategy.safetensors",
         "theta.safetensors",

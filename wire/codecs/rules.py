@@ -100,6 +100,26 @@ class CompressionConfig:
         )
 
 
+def compression_tables(
+    data: Mapping[str, Any], path: str = "compression"
+) -> tuple[CompressionConfig, CompressionConfig | None]:
+    """The uplink rules and the optional ``downlink`` sub-table of a ``[compression]`` table.
+
+    Raises
+    ------
+    CodecConfigError
+        As ``CompressionConfig.from_dict``, naming ``compression.downlink.*`` keys too.
+    """
+    if not isinstance(data, Mapping):
+        raise CodecConfigError(f"{path}: expected a table, got {type(data).__name__}")
+    up = {k: v for k, v in data.items() if k != "downlink"}
+    down = data.get("downlink")
+    return (
+        CompressionConfig.from_dict(up, path),
+        None if down is None else CompressionConfig.from_dict(down, f"{path}.downlink"),
+    )
+
+
 def _reject_unknown(data: Mapping[str, Any], allowed: Sequence[str], path: str) -> None:
     for key in data:
         if key not in allowed:
