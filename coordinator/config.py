@@ -53,11 +53,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.config_table import (
+    ConfigError,
+    Table,
+    check_listen,
+    non_empty,
+    non_negative,
+    positive,
+)
+from coordinator.failure_detector import DetectorOptions, suspicion_after_s
+from coordinator.speculation import SpeculationOptions
 from wire.codecs.rules import CodecConfigError, CompressionConfig, compression_tables
-
-
-class ConfigError(ValueError):
-    """A job config that cannot run; the message names the key."""
 
 
 @dataclass(frozen=True)
@@ -97,8 +103,46 @@ class RoundsConfig:
 
 @dataclass(frozen=True)
 class TimeoutsConfig:
+    """The timeout hierarchy: heartbeat interval < suspicion < lease TTL < round deadline.
+
+    Suspicion comes from a phi-accrual detector over each site's heartbeat history
+    (``coordinator.failure_detector``); by default a site that heartbeats steadily is suspected
+    about halfway through its lease, sooner than its lease expires, later on a jittery link.
+    """
+
     heartbeat_interval_s: float = 5.0
     lease_ttl_s: float = 30.0
+    suspicion_phi: float = 8.0
+    # Silence tolerated on top of the usual interval; None: lease_ttl_s / 2 - heartbeat.
+    suspicion_pause_s: float | None = None
+
+    def detector_options(self) -> DetectorOptions:
+        hb = self.heartbeat_interval_s
+        pause = self.suspicion_pause_s
+        if pause is None:
+            pause = max(0.0, self.lease_ttl_s / 2 - hb)
+        return DetectorOptions(
+            threshold=self.suspicion_phi,
+            min_std_s=hb / 4,
+            acceptable_pause_s=pause,
+            first_interval_s=hb,
+        )
+
+    def suspicion_after_s(self) -> float:
+        """Silence after which a steadily heartbeating site is suspected."""
+        return suspicion_after_s(self.heartbeat_interval_s, self.detector_options())
+
+
+DATA_MODES = ("federated", "shared")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``federated``: each site trains on its own data; a late update is dropped or folded
+    into the next round as the strategy says. ``shared`` (pretraining): the coordinator hands
+    out data units each round, backs up stragglers' units and commits each unit once."""
+
+    mode: str = "federated"
 
 
 @dataclass(frozen=True)
@@ -120,81 +164,22 @@ class JobConfig:
     source_toml: bytes = b""
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    speculation: SpeculationOptions = field(default_factory=SpeculationOptions)
     # None: each round's theta is fetched whole. Set: as an encoded delta from the last one.
     downlink: CompressionConfig | None = None
 
 
-class _Table:
-    """Reads typed keys out of one TOML table and remembers which keys were used."""
-
-    def __init__(self, data: Any, path: str) -> None:
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a table, got {type(data).__name__}")
-        self.data = data
-        self.path = path
-        self.used: set[str] = set()
-
-    def key(self, name: str) -> str:
-        return f"{self.path}.{name}" if self.path else name
-
-    def get(self, name: str, kind: type | tuple[type, ...], default: Any = ..., check=None) -> Any:
-        self.used.add(name)
-        if name not in self.data:
-            if default is ...:
-                raise ConfigError(f"{self.key(name)}: missing (required)")
-            return default
-        value = self.data[name]
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if isinstance(value, bool) and bool not in kinds:
-            raise ConfigError(f"{self.key(name)}: expected {_kind_name(kinds)}, got a boolean")
-        if not isinstance(value, kinds):
-            raise ConfigError(
-                f"{self.key(name)}: expected {_kind_name(kinds)}, got {type(value).__name__} "
-                f"{value!r}"
-            )
-        if check is not None:
-            problem = check(value)
-            if problem:
-                raise ConfigError(f"{self.key(name)}: {problem}, got {value!r}")
-        return value
-
-    def table(self, name: str) -> _Table:
-        self.used.add(name)
-        return _Table(self.data.get(name, {}), self.key(name))
-
-    def reject_unknown(self, allow_extra: bool = False) -> None:
-        if allow_extra:
-            return
-        unknown = sorted(set(self.data) - self.used)
-        if unknown:
-            raise ConfigError(f"{self.key(unknown[0])}: unknown key")
-
-
-def _kind_name(kinds: tuple[type, ...]) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
-    return " or ".join(names.get(k, k.__name__) for k in kinds)
-
-
-def _positive(v: float) -> str | None:
-    return None if v > 0 else "must be > 0"
-
-
-def _non_empty(v: str) -> str | None:
-    return None if v.strip() else "must not be empty"
-
-
 def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> JobConfig:
-    root = _Table(data, "")
+    root = Table(data, "")
     job = root.table("job")
-    name = job.get("name", str, check=_non_empty)
-    state_dir = base_dir / job.get("state_dir", str, "state", check=_non_empty)
+    name = job.get("name", str, check=non_empty)
+    state_dir = base_dir / job.get("state_dir", str, "state", check=non_empty)
     job.reject_unknown()
 
     m = root.table("model")
-    factory = m.get("factory", str, None, check=_non_empty)
-    path = m.get("path", str, None, check=_non_empty)
+    factory = m.get("factory", str, None, check=non_empty)
+    path = m.get("path", str, None, check=non_empty)
     if (factory is None) == (path is None):
         raise ConfigError(
             "model: set exactly one of model.factory ('module:function') or model.path"
@@ -211,7 +196,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
     m.reject_unknown()
 
     s = root.table("strategy")
-    strategy_name = s.get("name", str, "diloco", check=_non_empty)
+    strategy_name = s.get("name", str, "diloco", check=non_empty)
     params = {k: v for k, v in s.data.items() if k != "name"}
     strategy = StrategyConfig(strategy_name, params)
     aggregation = _parse_aggregation(root.table("aggregation"))
@@ -222,14 +207,14 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
 
     r = root.table("rounds")
     rounds = RoundsConfig(
-        total=r.get("total", int, check=_positive),
-        inner_steps=r.get("inner_steps", int, check=_positive),
-        min_sites=r.get("min_sites", int, 1, check=_positive),
-        max_sites=r.get("max_sites", int, 64, check=_positive),
+        total=r.get("total", int, check=positive),
+        inner_steps=r.get("inner_steps", int, check=positive),
+        min_sites=r.get("min_sites", int, 1, check=positive),
+        max_sites=r.get("max_sites", int, 64, check=positive),
         join_window_s=r.get(
             "join_window_s", float, 5.0, check=lambda v: None if v >= 0 else "must be >= 0"
         ),
-        deadline_s=r.get("deadline_s", float, 1800.0, check=_positive),
+        deadline_s=r.get("deadline_s", float, 1800.0, check=positive),
     )
     r.reject_unknown()
     if rounds.max_sites < rounds.min_sites:
@@ -238,24 +223,24 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
             f"got {rounds.max_sites}"
         )
 
-    t = root.table("timeouts")
-    timeouts = TimeoutsConfig(
-        heartbeat_interval_s=t.get("heartbeat_interval_s", float, 5.0, check=_positive),
-        lease_ttl_s=t.get("lease_ttl_s", float, 30.0, check=_positive),
-    )
-    t.reject_unknown()
-    if not timeouts.heartbeat_interval_s < timeouts.lease_ttl_s < rounds.deadline_s:
-        raise ConfigError(
-            "timeouts: need heartbeat_interval_s < lease_ttl_s < rounds.deadline_s, got "
-            f"timeouts.heartbeat_interval_s={timeouts.heartbeat_interval_s}, "
-            f"timeouts.lease_ttl_s={timeouts.lease_ttl_s}, rounds.deadline_s={rounds.deadline_s}"
+    timeouts = _parse_timeouts(root.table("timeouts"), rounds)
+    d = root.table("data")
+    data = DataConfig(
+        d.get(
+            "mode",
+            str,
+            "federated",
+            check=lambda v: None if v in DATA_MODES else f"must be one of {DATA_MODES}",
         )
+    )
+    d.reject_unknown()
+    speculation = _parse_speculation(root.table("speculation"), data)
 
     sv = root.table("server")
     server = ServerConfig(
-        listen=sv.get("listen", str, "127.0.0.1:7070", check=_check_listen),
-        max_update_bytes=sv.get("max_update_bytes", int, 8 << 30, check=_positive),
-        workers=sv.get("workers", int, 32, check=_positive),
+        listen=sv.get("listen", str, "127.0.0.1:7070", check=check_listen),
+        max_update_bytes=sv.get("max_update_bytes", int, 8 << 30, check=positive),
+        workers=sv.get("workers", int, 32, check=positive),
     )
     sv.reject_unknown()
     root.reject_unknown()
@@ -270,14 +255,63 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         source,
         aggregation,
         compression,
+        data,
+        speculation,
         downlink,
     )
+
+
+def _parse_timeouts(t: Table, rounds: RoundsConfig) -> TimeoutsConfig:
+    timeouts = TimeoutsConfig(
+        heartbeat_interval_s=t.get("heartbeat_interval_s", float, 5.0, check=positive),
+        lease_ttl_s=t.get("lease_ttl_s", float, 30.0, check=positive),
+        suspicion_phi=t.get(
+            "suspicion_phi",
+            float,
+            8.0,
+            check=lambda v: None if 0 < v < 100 else "must be in (0, 100)",
+        ),
+        suspicion_pause_s=t.get("suspicion_pause_s", float, None, check=non_negative),
+    )
+    t.reject_unknown()
+    suspicion = timeouts.suspicion_after_s()
+    if not timeouts.heartbeat_interval_s < suspicion < timeouts.lease_ttl_s < rounds.deadline_s:
+        raise ConfigError(
+            "timeouts: need heartbeat_interval_s < suspicion < lease_ttl_s < rounds.deadline_s, "
+            f"got timeouts.heartbeat_interval_s={timeouts.heartbeat_interval_s}, suspicion after "
+            f"{suspicion:.2f}s of silence (from timeouts.suspicion_phi={timeouts.suspicion_phi} "
+            f"and suspicion_pause_s), timeouts.lease_ttl_s={timeouts.lease_ttl_s}, "
+            f"rounds.deadline_s={rounds.deadline_s}"
+        )
+    return timeouts
+
+
+def _parse_speculation(sp: Table, data: DataConfig) -> SpeculationOptions:
+    if sp.data and data.mode != "shared":
+        raise ConfigError(
+            f"speculation: backup copies need data.mode = 'shared' (data.mode is {data.mode!r})"
+        )
+    defaults = SpeculationOptions()
+    try:
+        opts = SpeculationOptions(
+            enabled=sp.get("enabled", bool, defaults.enabled),
+            slow_factor=sp.get("slow_factor", float, defaults.slow_factor),
+            min_wait_s=sp.get("min_wait_s", float, defaults.min_wait_s),
+            behind_fraction=sp.get("behind_fraction", float, defaults.behind_fraction),
+            max_backups_per_unit=sp.get("max_backups_per_unit", int, 1),
+        )
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(str(exc)) from None
+    sp.reject_unknown()
+    return opts
 
 
 AGGREGATION_METHODS = ("mean", "median", "trimmed_mean")
 
 
-def _parse_aggregation(a: _Table) -> AggregationConfig:
+def _parse_aggregation(a: Table) -> AggregationConfig:
     method = a.get(
         "method",
         str,
@@ -299,23 +333,12 @@ def _parse_aggregation(a: _Table) -> AggregationConfig:
             0.2,
             check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)",
         ),
-        clip_norm=a.get("clip_norm", float, 0.0, check=_non_negative),
-        outlier_zscore=a.get("outlier_zscore", float, 0.0, check=_non_negative),
-        max_buffer_bytes=a.get("max_buffer_bytes", int, 8 << 30, check=_positive),
+        clip_norm=a.get("clip_norm", float, 0.0, check=non_negative),
+        outlier_zscore=a.get("outlier_zscore", float, 0.0, check=non_negative),
+        max_buffer_bytes=a.get("max_buffer_bytes", int, 8 << 30, check=positive),
     )
     a.reject_unknown()
     return cfg
-
-
-def _non_negative(v: float) -> str | None:
-    return None if v >= 0 and v != float("inf") else "must be a finite number >= 0 (0 = off)"
-
-
-def _check_listen(v: str) -> str | None:
-    host, sep, port = v.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        return "expected 'HOST:PORT' (e.g. '0.0.0.0:7070')"
-    return None
 
 
 def load_config(path: str | Path) -> JobConfig:

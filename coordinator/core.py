@@ -17,6 +17,8 @@ from dataclasses import replace
 
 from coordinator.config import JobConfig
 from coordinator.downlink import Downlink
+from coordinator.events import EventLog
+from coordinator.failure_detector import PhiAccrualDetector
 from coordinator.intake import UpdateIntake
 from coordinator.leases import LeaseError, LeaseTable
 from coordinator.model_source import initial_theta, trainable_names
@@ -28,6 +30,7 @@ from coordinator.records import (
 )
 from coordinator.round_clock import RoundClock
 from coordinator.rounds import RoundOptions, RoundState, record_update
+from coordinator.shared_data import SharedData
 from coordinator.spool import SpooledUpdate, UpdateSpool
 from coordinator.store import Checkpoint, CheckpointStore, StoreError
 from coordinator.uploads import UploadTable
@@ -38,9 +41,9 @@ from wire.tensors import pack, state_hash
 log = logging.getLogger("isthmus.coordinator")
 
 
-class CoordinatorCore(UpdateIntake, RoundClock):
+class CoordinatorCore(UpdateIntake, RoundClock, SharedData):
     """The coordinator's state; uploads are handled by ``UpdateIntake``, rounds by
-    ``RoundClock``."""
+    ``RoundClock``, data units (shared-data mode) by ``SharedData``."""
 
     def __init__(self, cfg: JobConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
@@ -68,6 +71,13 @@ class CoordinatorCore(UpdateIntake, RoundClock):
         self.bytes_out = 0
         self.last_close_reason = ""
         self.downlink = Downlink(cfg.downlink) if cfg.downlink is not None else None
+        self.detector = PhiAccrualDetector(cfg.timeouts.detector_options())
+        self.suspected: set[str] = set()
+        self.ledger = None
+        self.late: dict[str, SpooledUpdate] = {}  # late updates folded into the open round
+        self.last_closed: dict | None = None
+        # Beside the checkpoints: what happened, in order (joins, updates, backups, closes).
+        self.events = EventLog(cfg.state_dir / "events.jsonl")
         self._restore()
         # Before any round: a job whose updates cannot be combined within memory stops here.
         like = {n: self.theta[n] for n in self.trainable}
@@ -90,6 +100,12 @@ class CoordinatorCore(UpdateIntake, RoundClock):
         else:
             call_hook(self.strategy, "load_state_dict", ckpt.strategy_state)
             closed = ckpt.meta.get("closed_round", {})
+            if closed:
+                self.last_closed = {
+                    "number": closed["number"],
+                    "participants": set(closed.get("participants", closed["sites"])),
+                    "sites": {k.partition("@")[0] for k in closed["sites"]},
+                }
             for site, reason in sorted(closed.get("rejected", {}).items()):
                 self.rejections.append(f"round {closed['number']}: {site}: {reason}")
             log.info("resumed job %r at round %d (epoch %d)", self.cfg.name, ckpt.round, self.epoch)
@@ -98,6 +114,9 @@ class CoordinatorCore(UpdateIntake, RoundClock):
             self.downlink.load_state_dict(ckpt.downlink, ckpt.round)
         self.trainable = trainable_names(self.theta)
         self.round = RoundState(number=ckpt.round)
+        if self.cfg.data.mode == "shared":
+            self._restore_ledger(ckpt.meta)
+        self.events.append("start", epoch=self.epoch, round=ckpt.round)
         self._publish()
         saved = self.spool.read_round(ckpt.round)
         expected: list[str] = []
@@ -110,17 +129,36 @@ class CoordinatorCore(UpdateIntake, RoundClock):
             self.round = replace(
                 self.round, opened_at=self.clock() - elapsed, participants=frozenset(expected)
             )
+            if self.shared:
+                self._assign_units()
             for update in self.spool.completed(ckpt.round):
-                self.accepted[update.site] = update
-                self.round = record_update(self.round, update.site, update.weight)
+                self._replay(update)
             call_hook(self.strategy, "begin_round", self.round.number, self.theta)
             log.info("round %d replays with %d spooled update(s)", ckpt.round, len(self.accepted))
         else:
             # Between rounds, or after the last one (the sites still fetch the final theta):
             # the sites of the round closed last are expected back.
-            expected = sorted(ckpt.meta.get("closed_round", {}).get("sites", []))
+            closed_keys = ckpt.meta.get("closed_round", {}).get("sites", [])
+            expected = sorted({k.partition("@")[0] for k in closed_keys})
+            for update in self.spool.completed(ckpt.round):
+                if "@late" in update.site:  # folded before the round opened
+                    self.late[update.site] = update
         self._await_rejoin(expected)
         self.spool.drop_rounds_before(ckpt.round)
+
+    def _replay(self, update: SpooledUpdate) -> None:
+        """Count a spooled update of the round in flight again after a restart."""
+        site, _, tag = update.site.partition("@")
+        if tag.startswith("late"):
+            self.late[update.site] = update
+            return
+        if tag:  # shared-data mode: the unit is committed again, by the same site
+            if site not in self.ledger.holders(self.round.number, tag):
+                self.ledger.add_backup(self.round.number, tag, site)
+            self.ledger.commit(self.round.number, tag, site)
+            self.commit_times[tag] = 0.0
+        self.accepted[update.site] = update
+        self.round = record_update(self.round, tag or site, update.weight)
 
     def _await_rejoin(self, sites: list[str]) -> None:
         """After a restart no site holds a lease yet. Hold a provisional lease (one TTL long,
@@ -162,6 +200,9 @@ class CoordinatorCore(UpdateIntake, RoundClock):
                 last_heartbeat=now,
                 **_keep(self.sites.get(site), "last_update_at", "last_round_pushed"),
             )
+            self.detector.forget(site)
+            self.detector.heartbeat(site, now)
+            self.events.append("join", site=site, token=lease.token)
             log.info("site %s joined (token %d)", site, lease.token)
             self.wake.notify_all()
             return lease, self.round_info(site)
@@ -172,13 +213,17 @@ class CoordinatorCore(UpdateIntake, RoundClock):
             lease = self._lease(site, token, renew=True)
             record = self.sites.setdefault(site, SiteRecord())
             record.last_heartbeat, record.progress, record.state = now, progress, "active"
-            return lease, self.round_info(site)
+            self.detector.heartbeat(site, now)
+            cancels = self.take_cancels(site) if self.shared else []
+            return lease, self.round_info(site), cancels
 
     def leave(self, site: str, token: int) -> None:
         with self.lock:
             self._lease(site, token)
             self.leases.release(site, token, self.clock())
             self.sites.setdefault(site, SiteRecord()).state = "left"
+            self.detector.forget(site)
+            self.events.append("leave", site=site)
             log.info("site %s left", site)
             self.wake.notify_all()
 
@@ -192,7 +237,7 @@ class CoordinatorCore(UpdateIntake, RoundClock):
 
     def round_info(self, site: str | None = None) -> dict:
         r = self.round
-        return {
+        info = {
             "round": r.number,
             "version": self.published.version,
             "theta_hash": self.published.theta_hash,
@@ -201,6 +246,10 @@ class CoordinatorCore(UpdateIntake, RoundClock):
             "finished": self.finished,
             "participant": site is not None and site in r.participants and not r.closed,
         }
+        if self.shared:
+            unit = self.unit_for(site) if site is not None else ""
+            info["data_unit"], info["participant"] = unit, bool(unit)
+        return info
 
     # ---- theta downlink -------------------------------------------------------------------
 

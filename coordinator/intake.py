@@ -1,7 +1,11 @@
 """Receiving updates: checks before, during and after an upload, and counting it once.
 
-A mixin of ``CoordinatorCore`` (it works on the core's lock, leases, round and spool); the
-decision whether an update may count is ``rounds.admit_update``.
+A mixin of ``CoordinatorCore`` (it works on the core's lock, leases, round and spool). Whether
+an update may count is decided by ``rounds.admit_update`` (federated mode; a late one is folded
+into the open round when the strategy's ``staleness_weight`` says so) or by the data ledger
+(shared-data mode: a unit counts once, whichever copy commits first). Each counted update is
+spooled under a key: the site (federated), ``SITE@UNIT`` (shared) or ``SITE@lateR`` (an update
+for round R folded into the round after it).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from coordinator.uploads import (
     check_update_manifest,
 )
 from strategies import StrategyError
-from strategies.base import checked_weight
+from strategies.base import call_hook, checked_weight
 from wire.chunking import ChunkError
 from wire.tensors import Manifest, PayloadError
 
@@ -34,26 +38,36 @@ class UpdateIntake:
         weight = header["weight"]
         if not (math.isfinite(weight) and 0 < weight <= 1e15):
             raise Refused("invalid", f"weight must be a finite number > 0, got {weight}")
+        unit = header.get("data_unit", "")
         with self.lock:
             self._lease(site, token)
-            self._admit(site, header["round"])
-            if header["base_version"] != self.published.version:
+            late_from = None
+            if self.shared:
+                self._admit_unit(site, header["round"], unit)
+            else:
+                late_from = self._admit_or_fold(site, header["round"])
+            trained_from = self.published.version if late_from is None else late_from
+            if header["base_version"] != trained_from:
                 raise Refused(
                     "invalid",
                     f"update was trained from version {header['base_version']}, "
-                    f"round {header['round']} trains from version {self.published.version}",
+                    f"round {header['round']} trains from version {trained_from}",
                 )
+            # A folded update is stored with the round it now counts in.
+            storage_round = self.round.number if late_from is not None else header["round"]
         try:
             manifest = Manifest.from_proto(header["manifest"], self.cfg.server.max_update_bytes)
             check_update_manifest(manifest, self.theta, self.trainable)
         except PayloadError as exc:
             raise Refused("invalid", f"bad update manifest: {exc}") from exc
         try:
-            return self.uploads.begin(site, header["round"], header["upload_id"], manifest, weight)
+            upload = self.uploads.begin(site, storage_round, header["upload_id"], manifest, weight)
         except UploadConflict as exc:
             raise Refused("invalid", str(exc)) from exc
         except UploadBusy as exc:
             raise Refused("busy", str(exc)) from exc
+        upload.unit, upload.late_from = (unit if self.shared else ""), late_from
+        return upload
 
     def upload_chunk(self, upload: Upload, offset: int, data: bytes) -> None:
         try:
@@ -79,12 +93,14 @@ class UpdateIntake:
         with self.lock:
             try:
                 self._lease(upload.site, token)
-                self._admit(upload.site, upload.round)
+                key, unit = self._recheck(upload)
             except Refused:
                 self.uploads.discard(upload)
                 raise
             try:
                 weight = checked_weight(self.strategy, upload.site, upload.weight)
+                if upload.late_from is not None:
+                    weight *= self._fold_weight(upload.site, upload.late_from)
             except StrategyError as exc:
                 self.uploads.discard(upload)
                 self.fatal = f"{exc}; the last checkpoint is unchanged"
@@ -93,22 +109,84 @@ class UpdateIntake:
                 # UNAVAILABLE: the site keeps its update and retries once the job restarts.
                 raise Refused("busy", f"the coordinator is stopping: {self.fatal}") from exc
             spooled = self.spool.commit(
-                upload.round, upload.site, upload.upload_id, upload.manifest, weight
+                upload.round, upload.site, upload.upload_id, upload.manifest, weight, key=key
             )
             self.uploads.forget(upload)
-            self.accepted[upload.site] = spooled
-            self.round = record_update(self.round, upload.site, weight)
+            now = self.clock()
+            if upload.late_from is not None:
+                self.late[key] = spooled
+            else:
+                if unit:
+                    self._commit_unit(upload.site, unit, now)
+                self.accepted[key] = spooled
+                self.round = record_update(self.round, unit or upload.site, weight)
             record = self.sites.setdefault(upload.site, SiteRecord())
-            record.last_update_at, record.last_round_pushed = self.clock(), upload.round
-            log.info(
-                "round %d: update from %s counted (weight %g)", upload.round, upload.site, weight
+            record.last_update_at, record.last_round_pushed = now, upload.round
+            self.events.append(
+                "update",
+                round=upload.round,
+                site=upload.site,
+                key=key,
+                unit=unit,
+                late_from=upload.late_from,
+                weight=weight,
+                sha256=upload.manifest.sha256.hex(),
             )
+            log.info("round %d: update %s counted (weight %g)", upload.round, key, weight)
             self.wake.notify_all()
         return True
+
+    def _recheck(self, upload) -> tuple[str, str]:
+        """At the end of an upload: may it still count, and under which spool key."""
+        if upload.unit:
+            self._admit_unit(upload.site, upload.round, upload.unit)
+            return f"{upload.site}@{upload.unit}", upload.unit
+        if upload.late_from is not None:
+            if self._admit_or_fold(upload.site, upload.late_from) is None:
+                raise Refused("invalid", f"round {upload.late_from} is open again")
+            return f"{upload.site}@late{upload.late_from}", ""
+        self._admit(upload.site, upload.round)
+        return upload.site, ""
 
     def count_sent(self, n: int) -> None:
         with self.lock:
             self.bytes_out += n
+
+    def _admit_or_fold(self, site: str, round_number: int) -> int | None:
+        """None if the update counts in its own round; its round number if it is late and
+        folded into the open round; raises ``Refused`` otherwise."""
+        try:
+            admit_update(self.round, site, round_number)
+            return None
+        except UpdateRefused as exc:
+            if exc.code != "late" or self._fold_weight(site, round_number) <= 0:
+                raise Refused(exc.code, str(exc)) from exc
+        if f"{site}@late{round_number}" in self.late:
+            raise Refused(
+                "duplicate", f"the late update of {site!r} for round {round_number} is counted"
+            )
+        return round_number
+
+    def _fold_weight(self, site: str, round_number: int) -> float:
+        """The strategy's discount for a late update (0: drop). Only an update for the round
+        just closed, from one of its participants that it closed without, can be folded."""
+        closed = self.last_closed
+        if (
+            closed is None
+            or round_number != closed["number"]
+            or self.round.number != round_number + 1
+            or site not in closed["participants"]
+            or site in closed["sites"]
+        ):
+            return 0.0
+        weight = call_hook(self.strategy, "staleness_weight", site, 1)
+        ok = isinstance(weight, int | float) and not isinstance(weight, bool)
+        if not (ok and 0.0 <= weight <= 1.0):
+            raise StrategyError(
+                f"strategy {self.strategy.plugin_name!r} failed in staleness_weight: returned "
+                f"{weight!r}; expected a number in [0, 1]"
+            )
+        return float(weight)
 
     def _admit(self, site: str, round_number: int) -> None:
         try:

@@ -25,6 +25,7 @@ from coordinator.store import Checkpoint
 from strategies import StrategyError
 from strategies.base import call_hook, check_state
 from strategies.robust import Outcome, close_round
+from wire.tensors import state_hash
 
 log = logging.getLogger("isthmus.coordinator")
 
@@ -40,12 +41,22 @@ class RoundClock:
             now = self.clock()
             for site in self.leases.expire(now):
                 self.sites.setdefault(site, SiteRecord()).state = "expired"
+                self.detector.forget(site)
+                self.events.append("lease_expired", site=site)
                 log.warning("lease of site %s expired", site)
             live = self.leases.live(now)
+            self._note_suspicion(now, live)
+            # Suspected sites are not waited for: a round neither opens nor stays open on them.
+            live = live - self.suspected
             was_open = self.round.opened_at is not None
             self.round = open_round(now, self.round, live, self.opts)
             if not was_open and self.round.opened_at is not None:
                 self._save_round(now)
+                if self.shared:
+                    self._assign_units()
+                self.events.append(
+                    "round_open", round=self.round.number, sites=sorted(self.round.participants)
+                )
                 try:
                     call_hook(self.strategy, "begin_round", self.round.number, self.theta)
                 except StrategyError as exc:
@@ -58,7 +69,8 @@ class RoundClock:
                     ", ".join(sorted(self.round.participants)),
                 )
             before = self.round.participants
-            self.round = admit_latecomers(now, self.round, live, self.opts)
+            if not self.shared:  # shared-data mode gives idle sites backup copies instead
+                self.round = admit_latecomers(now, self.round, live, self.opts)
             if self.round.participants != before:
                 self._save_round(now)
                 log.warning(
@@ -66,14 +78,30 @@ class RoundClock:
                     self.round.number,
                     ", ".join(sorted(self.round.participants - before)),
                 )
-            decision = decide_close(now, self.round, live, self.opts)
+            if self.shared:
+                self._speculate(now, live, self.suspected)
+                decision = decide_close(now, *self._unit_view(live), self.opts)
+            else:
+                decision = decide_close(now, self.round, live, self.opts)
             if not decision.act:
                 return False
             self.round = replace(self.round, closed=True)
             updates = [self.accepted[s] for s in sorted(self.accepted)]
+            updates += [self.late[s] for s in sorted(self.late)]
             closing = self.round
         self._close(closing, updates, decision.reason)
         return True
+
+    def _note_suspicion(self, now: float, live: set[str]) -> None:
+        suspected = self.detector.suspected(now) & live
+        for site in sorted(suspected - self.suspected):
+            phi = self.detector.phi(site, now)
+            self.events.append("suspected", site=site, phi=round(phi, 2))
+            log.warning("site %s suspected (phi %.1f): not waiting for it", site, phi)
+        for site in sorted(self.suspected - suspected):
+            if site in live:
+                log.info("site %s is heartbeating again", site)
+        self.suspected = suspected
 
     def _save_round(self, now: float) -> None:
         """Who is in the open round and since when (wall clock: monotonic time does not
@@ -116,6 +144,9 @@ class RoundClock:
             log.exception("outer step failed; the last checkpoint is unchanged")
             raise FatalError(self.fatal) from exc
         self._note_rejections(state.number, outcome)
+        with self.lock:
+            carried = self._close_units(state.number) if self.shared else []
+        sites = sorted({u.site.partition("@")[0] for u in updates})
         ckpt = Checkpoint(
             state.number + 1,
             new_theta,
@@ -126,17 +157,33 @@ class RoundClock:
                     "number": state.number,
                     "reason": reason,
                     "sites": sorted(u.site for u in updates),
+                    "participants": sorted(state.participants),
                     "rejected": outcome.rejected,
                     "clipped": outcome.clipped,
+                    "carried_units": carried,
                 },
+                **({"ledger": self.ledger.to_dict()} if self.shared else {}),
             },
             self.downlink.state_dict() if self.downlink is not None else {},
         )
         self.store.save(ckpt)
+        self.events.append(
+            "round_closed",
+            round=state.number,
+            reason=reason,
+            updates=[u.site for u in updates],
+            theta_sha256=state_hash(new_theta).hex(),
+        )
         with self.lock:
             self.theta = new_theta
             self.round = next_round(state)
             self.accepted = {}
+            self.late = {}
+            self.last_closed = {
+                "number": state.number,
+                "participants": set(state.participants),
+                "sites": set(sites),
+            }
             self.last_close_reason = reason
             self._publish()
             self.wake.notify_all()

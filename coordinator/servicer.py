@@ -164,8 +164,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             "train_loss": p.train_loss,
             "phase": p.phase[:32],  # shown in every Status reply: keep it small
         }
-        lease, info = self.core.heartbeat(request.lease.site, request.lease.token, progress)
-        return pb.HeartbeatReply(lease=lease_pb(lease, self.ttl_s), round=pb.RoundInfo(**info))
+        lease, info, cancels = self.core.heartbeat(
+            request.lease.site, request.lease.token, progress
+        )
+        return pb.HeartbeatReply(
+            lease=lease_pb(lease, self.ttl_s),
+            round=pb.RoundInfo(**info),
+            commands=[pb.Command(cancel_unit=u) for u in cancels],
+        )
 
     @_refusals_to_status
     def Fetch(self, request: pb.FetchRequest, context):

@@ -114,13 +114,21 @@ class UpdateSpool:
         self.part_path(round_number, site, upload_id).unlink(missing_ok=True)
 
     def commit(
-        self, round_number: int, site: str, upload_id: str, manifest: Manifest, weight: float
+        self,
+        round_number: int,
+        site: str,
+        upload_id: str,
+        manifest: Manifest,
+        weight: float,
+        key: str | None = None,
     ) -> SpooledUpdate:
-        """Make a verified upload durable as the site's update for the round."""
+        """Make a verified upload durable as the round's update ``key`` (default: the site;
+        ``SITE@UNIT`` or ``SITE@lateR`` when a site has more than one update in a round)."""
         d = self.round_dir(round_number)
         part = self.part_path(round_number, site, upload_id)
         with open(part, "rb+") as f:
             os.fsync(f.fileno())
+        site = key or site
         final = d / f"{site}.update"
         os.replace(part, final)
         meta = {

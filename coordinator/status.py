@@ -25,6 +25,9 @@ def status_reply(core) -> pb.StatusReply:
                         now - rec.last_update_at if rec.last_update_at is not None else -1.0
                     ),
                     last_round_pushed=rec.last_round_pushed or 0,
+                    phi=core.detector.phi(name, now) if lease is not None else 0.0,
+                    suspected=name in core.suspected,
+                    data_units=_units_of(core, name),
                     progress=pb.Progress(
                         round=p.get("round", 0),
                         inner_step=p.get("inner_step", 0),
@@ -45,9 +48,22 @@ def status_reply(core) -> pb.StatusReply:
             wan_bytes_out=core.bytes_out,
             rejections=list(core.rejections),
             aggregation=core.aggregator.describe(),
+            data_mode=core.cfg.data.mode,
         )
+        if core.shared and core.ledger.open_round_number() == r.number:
+            units = core.ledger.units_in(r.number)
+            reply.units_committed.extend(u for u in units if core.ledger.committed_by(u))
+        if core.shared:
+            reply.units_pending.extend(core.ledger.pending())
     reply.waiting_reason = core.waiting_reason()
     return reply
+
+
+def _units_of(core, site: str) -> list[str]:
+    r = core.round
+    if not core.shared or core.ledger.open_round_number() != r.number:
+        return []
+    return core.ledger.units_of(r.number, site)
 
 
 def _age(seconds: float) -> str:
@@ -67,20 +83,38 @@ def format_status(s: pb.StatusReply) -> str:
         f"WAN in {s.wan_bytes_in / 1e6:.1f} MB out {s.wan_bytes_out / 1e6:.1f} MB",
         f"state: {s.waiting_reason}",
     ]
+    if s.data_mode == "shared":
+        lines.append(
+            f"data units committed this round: {', '.join(s.units_committed) or '-'}; "
+            f"waiting for a later round: {', '.join(s.units_pending) or '-'}"
+        )
     if s.rejections:
         lines.append(f"rejected updates ({len(s.rejections)} most recent):")
         lines += [f"  {x}" for x in s.rejections]
     lines.append("")
-    header = ("SITE", "STATE", "TOKEN", "LEASE LEFT", "HEARTBEAT", "LAST UPDATE", "PUSHED", "PHASE")
+    header = (
+        "SITE",
+        "STATE",
+        "TOKEN",
+        "LEASE LEFT",
+        "HEARTBEAT",
+        "PHI",
+        "LAST UPDATE",
+        "PUSHED",
+        "UNITS",
+        "PHASE",
+    )
     rows = [
         (
             x.site,
-            x.state,
+            x.state + (" (suspected)" if x.suspected else ""),
             str(x.token),
             f"{x.lease_remaining_s:.1f}s",
             _age(x.last_heartbeat_age_s),
+            f"{x.phi:.1f}",
             _age(x.last_update_age_s),
             str(x.last_round_pushed) if x.last_update_age_s >= 0 else "-",
+            ",".join(x.data_units) or "-",
             f"{x.progress.phase} r{x.progress.round} step {x.progress.inner_step}"
             if x.progress.phase
             else "-",

@@ -116,6 +116,14 @@ class Strategy(ABC):
         """The weight an admitted update gets in the average (default: what the site reported)."""
         return reported_weight
 
+    def staleness_weight(self, site: str, staleness: int) -> float:
+        """Federated mode: what a late update is worth. An update for round r that arrives
+        after round r closed (``staleness`` = 1) is folded into round r+1 with its weight
+        multiplied by this number in [0, 1]; 0 drops it. Default: the config's
+        ``late_discount`` if it has one (``staleness_weight = late_discount ** staleness``),
+        else 0."""
+        return float(getattr(self.config, "late_discount", 0.0)) ** staleness
+
     @abstractmethod
     def outer_step(self, theta: Tensors, aggregate: Aggregate) -> Tensors:
         """Return theta_{r+1}. Must not modify ``theta`` in place: the coordinator keeps

@@ -25,8 +25,12 @@ class DiLoCoConfig:
     momentum: float = 0.9
     nesterov: bool = True
     weighted: bool = False
+    # Federated mode: a late update is folded into the next round at this weight (0: dropped).
+    late_discount: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.late_discount <= 1:
+            raise ValueError(f"late_discount must be in [0, 1], got {self.late_discount}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:

@@ -15,8 +15,12 @@ from strategies.base import Aggregate, Strategy, Tensors, apply_in_float32
 @dataclass(frozen=True)
 class FedAvgConfig:
     server_lr: float = 1.0
+    # A late update is folded into the next round at this weight (0: dropped).
+    late_discount: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.late_discount <= 1:
+            raise ValueError(f"late_discount must be in [0, 1], got {self.late_discount}")
         if not self.server_lr > 0:
             raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
 

@@ -235,7 +235,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SiteStatus(_message.Message):
-    __slots__ = ("site", "state", "token", "lease_remaining_s", "last_heartbeat_age_s", "last_update_age_s", "last_round_pushed", "progress")
+    __slots__ = ("site", "state", "token", "lease_remaining_s", "last_heartbeat_age_s", "last_update_age_s", "last_round_pushed", "progress", "phi", "suspected", "data_units")
     SITE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,9 @@ class SiteStatus(_message.Message):
     LAST_UPDATE_AGE_S_FIELD_NUMBER: _ClassVar[int]
     LAST_ROUND_PUSHED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PHI_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTED_FIELD_NUMBER: _ClassVar[int]
+    DATA_UNITS_FIELD_NUMBER: _ClassVar[int]
     site: str
     state: str
     token: int
@@ -252,10 +255,13 @@ class SiteStatus(_message.Message):
     last_update_age_s: float
     last_round_pushed: int
     progress: Progress
-    def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., last_update_age_s: _Optional[float] = ..., last_round_pushed: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+    phi: float
+    suspected: bool
+    data_units: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., last_update_age_s: _Optional[float] = ..., last_round_pushed: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., phi: _Optional[float] = ..., suspected: _Optional[bool] = ..., data_units: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out", "rejections", "aggregation")
+    __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out", "rejections", "aggregation", "data_mode", "units_committed", "units_pending")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SITES_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +274,9 @@ class StatusReply(_message.Message):
     WAN_BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    DATA_MODE_FIELD_NUMBER: _ClassVar[int]
+    UNITS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    UNITS_PENDING_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     round: RoundInfo
     sites: _containers.RepeatedCompositeFieldContainer[SiteStatus]
@@ -280,4 +289,7 @@ class StatusReply(_message.Message):
     wan_bytes_out: int
     rejections: _containers.RepeatedScalarFieldContainer[str]
     aggregation: str
-    def __init__(self, job_name: _Optional[str] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., updates_received: _Optional[int] = ..., updates_expected: _Optional[int] = ..., round_age_s: _Optional[float] = ..., waiting_reason: _Optional[str] = ..., strategy: _Optional[str] = ..., wan_bytes_in: _Optional[int] = ..., wan_bytes_out: _Optional[int] = ..., rejections: _Optional[_Iterable[str]] = ..., aggregation: _Optional[str] = ...) -> None: ...
+    data_mode: str
+    units_committed: _containers.RepeatedScalarFieldContainer[str]
+    units_pending: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_name: _Optional[str] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., updates_received: _Optional[int] = ..., updates_expected: _Optional[int] = ..., round_age_s: _Optional[float] = ..., waiting_reason: _Optional[str] = ..., strategy: _Optional[str] = ..., wan_bytes_in: _Optional[int] = ..., wan_bytes_out: _Optional[int] = ..., rejections: _Optional[_Iterable[str]] = ..., aggregation: _Optional[str] = ..., data_mode: _Optional[str] = ..., units_committed: _Optional[_Iterable[str]] = ..., units_pending: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,191 @@
+"""The coordinator's append-only event log (coordinator/events.py) on real files."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import threading
+import time
+
+import pytest
+
+from coordinator.events import EventLog, EventLogError, read_events
+
+
+def test_round_trip_and_seq_continue_across_reopen(tmp_path):
+    path = tmp_path / "state" / "deeper" / "events.jsonl"
+    before = time.time()
+    with EventLog(path) as events:
+        assert path.exists() and events.path == path and events.last_seq == 0
+        assert events.append("coordinator_started", epoch=3) == 1
+        assert events.append("round_opened", round=0, sites=["a", "b"], note=None) == 2
+        assert events.last_seq == 2
+    with EventLog(path) as events:
+        assert events.last_seq == 2
+        assert events.append("round_closed", round=0, loss=2.5) == 3
+    got = read_events(path)
+    assert [e["seq"] for e in got] == [1, 2, 3]
+    assert [e["kind"] for e in got] == ["coordinator_started", "round_opened", "round_closed"]
+    assert got[1] == {
+        "seq": 2,
+        "wall": got[1]["wall"],
+        "kind": "round_opened",
+        "round": 0,
+        "sites": ["a", "b"],
+        "note": None,
+    }
+    assert before <= got[0]["wall"] <= got[2]["wall"] <= time.time()
+    assert [e["seq"] for e in read_events(path, since_seq=2)] == [3]
+    assert read_events(path, since_seq=3) == []
+    # One object per line, nothing else in the file.
+    lines = path.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and [json.loads(x)["seq"] for x in lines[:-1]] == [1, 2, 3]
+
+
+def test_empty_log_reads_as_no_events(tmp_path):
+    path = tmp_path / "events.jsonl"
+    EventLog(path).close()
+    assert path.read_bytes() == b""
+    assert read_events(path) == []
+    with pytest.raises(FileNotFoundError):
+        read_events(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        b'{"seq":3,"wall":1.0,"ki',  # cut mid-object
+        b'{"seq":3,"wall":1.0,"kind":"x"}',  # whole object, newline never written
+        b"\x00\x00\x00\x00",  # blocks allocated but never written
+        b"garbage\n",  # a complete but unreadable last line
+    ],
+)
+def test_torn_tail_is_dropped_on_reopen_and_appending_continues(tmp_path, caplog, tail):
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as events:
+        events.append("a")
+        events.append("b")
+    good = path.read_bytes()
+    with path.open("ab") as f:
+        f.write(tail)
+    assert [e["kind"] for e in read_events(path)] == ["a", "b"]  # readers skip it too
+    with caplog.at_level(logging.WARNING, logger="isthmus.coordinator"):
+        events = EventLog(path)
+    assert "torn" in caplog.text and "line 3" in caplog.text
+    assert path.read_bytes() == good
+    assert events.last_seq == 2
+    assert events.append("c") == 3
+    events.close()
+    assert [(e["seq"], e["kind"]) for e in read_events(path)] == [(1, "a"), (2, "b"), (3, "c")]
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        (b"not json at all\n", "not JSON"),
+        (b"\n", "not JSON"),
+        (b"[1, 2]\n", "not a JSON object"),
+        (b'{"wall":1.0,"kind":"x"}\n', "no integer seq"),
+        (b'{"seq":1,"wall":1.0,"kind":"x"}\n', "seq 1 does not follow seq 2"),
+    ],
+)
+def test_damage_in_the_middle_names_file_and_line(tmp_path, bad, why):
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as events:
+        events.append("a")
+        events.append("b")
+    with path.open("ab") as f:
+        f.write(bad)
+        f.write(b'{"seq":9,"wall":1.0,"kind":"later"}\n')
+    damaged = path.read_bytes()
+    for attempt in (lambda: read_events(path), lambda: EventLog(path)):
+        with pytest.raises(EventLogError) as err:
+            attempt()
+        assert str(path) in str(err.value)
+        assert "line 3" in str(err.value) and why in str(err.value)
+    assert path.read_bytes() == damaged  # nothing was cut away
+
+
+def test_unserialisable_field_raises_and_writes_nothing(tmp_path):
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as events:
+        events.append("a")
+        size = path.stat().st_size
+        with pytest.raises(TypeError, match="'sites'"):
+            events.append("bad", round=1, sites={"a", "b"})
+        loop: list[object] = []
+        loop.append(loop)
+        with pytest.raises(TypeError, match="'loop'"):
+            events.append("bad", loop=loop)
+        assert path.stat().st_size == size and events.last_seq == 1
+        assert events.append("b") == 2  # no seq was used up
+    assert [e["seq"] for e in read_events(path)] == [1, 2]
+
+
+def test_bad_kind_reserved_fields_and_closed_log_are_refused(tmp_path):
+    events = EventLog(tmp_path / "events.jsonl")
+    with pytest.raises(ValueError, match="kind"):
+        events.append("")
+    with pytest.raises(ValueError, match="'seq' is reserved"):
+        events.append("x", seq=99)
+    with pytest.raises(ValueError, match="'wall' is reserved"):
+        events.append("x", wall=0.0)
+    events.close()
+    events.close()
+    with pytest.raises(EventLogError, match="closed"):
+        events.append("x")
+    assert read_events(events.path) == []
+
+
+def test_concurrent_appends_get_unique_increasing_seqs(tmp_path):
+    path = tmp_path / "events.jsonl"
+    events = EventLog(path)
+    events.append("start")
+    per_thread, threads = 50, 8
+    got: dict[int, list[int]] = {}
+
+    def worker(n: int) -> None:
+        got[n] = [events.append("beat", thread=n, i=i) for i in range(per_thread)]
+
+    pool = [threading.Thread(target=worker, args=(n,)) for n in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    events.close()
+    seqs = [s for n in range(threads) for s in got[n]]
+    assert sorted(seqs) == list(range(2, 2 + per_thread * threads))
+    assert all(got[n] == sorted(got[n]) for n in range(threads))
+    on_disk = read_events(path)
+    assert [e["seq"] for e in on_disk] == list(range(1, 2 + per_thread * threads))
+    # Each thread's events are in the order it appended them, under the seq it was told.
+    for n in range(threads):
+        mine = [e for e in on_disk if e.get("thread") == n]
+        assert [e["i"] for e in mine] == list(range(per_thread))
+        assert [e["seq"] for e in mine] == got[n]
+
+
+def test_failed_append_leaves_no_trace(tmp_path, monkeypatch):
+    path = tmp_path / "events.jsonl"
+    events = EventLog(path)
+    events.append("a")
+    size = path.stat().st_size
+    real_fsync = os.fsync
+    calls = []
+
+    def failing_fsync(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:  # the append's own fsync; the clean-up's fsync works
+            raise OSError(errno.EIO, "disk on fire")
+        real_fsync(fd)
+
+    monkeypatch.setattr("coordinator.events.os.fsync", failing_fsync)
+    with pytest.raises(OSError, match="disk on fire"):
+        events.append("lost", round=1)
+    assert path.stat().st_size == size and events.last_seq == 1
+    monkeypatch.setattr("coordinator.events.os.fsync", real_fsync)
+    assert events.append("b") == 2
+    events.close()
+    assert [e["kind"] for e in read_events(path)] == ["a", "b"]
