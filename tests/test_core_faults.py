@@ -1,0 +1,126 @@
+"""Failure handling decided inside the coordinator, driven in-process with a fake clock:
+suspicion before lease expiry, late updates folded or dropped, the event log."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from core_helpers import Clock, delta_like, heartbeat_all, new_core, push
+
+from coordinator.events import read_events
+from coordinator.records import Refused
+
+
+def _open_round(core, clock, sites=("site-a", "site-b", "site-c")):
+    tokens = {s: core.join(s)[0].token for s in sites}
+    heartbeat_all(core, clock, tokens, 3.0)
+    assert core.round.opened_at is not None and core.round.participants == set(sites)
+    return tokens
+
+
+def test_a_silent_site_is_suspected_and_not_waited_for_before_its_lease_expires(tmp_path):
+    clock = Clock()
+    core = new_core(tmp_path, clock)
+    tokens = _open_round(core, clock)
+    push(core, "site-a", tokens["site-a"], 0, delta_like(core, 1.0))
+    push(core, "site-b", tokens["site-b"], 0, delta_like(core, 3.0))
+    # site-c goes silent; the others keep heartbeating.
+    quiet = {s: t for s, t in tokens.items() if s != "site-c"}
+    suspicion = core.cfg.timeouts.suspicion_after_s()
+    heartbeat_all(core, clock, quiet, suspicion - 2.0)
+    assert core.round.number == 0, "closed before site-c was suspected"
+    heartbeat_all(core, clock, quiet, 4.0)
+    assert core.round.number == 1, core.waiting_reason()
+    silent_for = clock.now - 3.0
+    assert silent_for < core.cfg.timeouts.lease_ttl_s  # well before the lease ran out
+    assert core.leases.get("site-c") is not None
+    events = read_events(core.events.path)
+    assert [e["site"] for e in events if e["kind"] == "suspected"] == ["site-c"]
+    closed = [e for e in events if e["kind"] == "round_closed"]
+    assert closed[0]["updates"] == ["site-a", "site-b"]
+
+
+def test_a_site_heartbeating_on_a_jittery_link_is_not_suspected(tmp_path):
+    clock = Clock()
+    core = new_core(tmp_path, clock)
+    tokens = _open_round(core, clock, ("site-a", "site-b"))
+    for i in range(40):  # intervals between 0.5 s and 3 s, never silent for long
+        clock.now += 0.5 + 2.5 * (i % 2)
+        for site, token in tokens.items():
+            core.heartbeat(site, token, None)
+        core.tick()
+        assert core.suspected == set()
+
+
+@pytest.mark.parametrize("discount", [0.5, 0.0])
+def test_a_late_update_is_folded_with_a_discount_or_dropped(tmp_path, discount):
+    clock = Clock()
+    core = new_core(
+        tmp_path,
+        clock,
+        strategy={"name": "fedavg", "late_discount": discount},
+        rounds={"min_sites": 1, "deadline_s": 30.0},
+    )
+    tokens = _open_round(core, clock, ("site-a", "site-b"))
+    theta0 = {n: core.theta[n].clone() for n in core.trainable}
+    push(core, "site-a", tokens["site-a"], 0, delta_like(core, 1.0))
+    heartbeat_all(core, clock, tokens, 31.0)  # the deadline closes round 0 without site-b
+    assert core.round.number == 1
+    theta1 = {n: core.theta[n].clone() for n in core.trainable}
+    for n in core.trainable:
+        torch.testing.assert_close(theta1[n], theta0[n] - 1.0)
+    heartbeat_all(core, clock, tokens, 2.0)  # round 1 opens
+    late = delta_like(core, 8.0)
+    if discount == 0.0:
+        with pytest.raises(Refused) as err:
+            push(core, "site-b", tokens["site-b"], 0, late, base=0)
+        assert err.value.code == "late"
+        return
+    assert push(core, "site-b", tokens["site-b"], 0, late, base=0)
+    with pytest.raises(Refused) as err:  # counted once
+        push(core, "site-b", tokens["site-b"], 0, late, base=0, upload_id="again")
+    assert err.value.code == "duplicate"
+    push(core, "site-a", tokens["site-a"], 1, delta_like(core, 2.0))
+    push(core, "site-b", tokens["site-b"], 1, delta_like(core, 4.0))
+    heartbeat_all(core, clock, tokens, 1.0)
+    assert core.round.number == 2
+    # FedAvg over site-a (2, w 1), site-b (4, w 1) and the late site-b (8, w 0.5).
+    want = (2.0 + 4.0 + 0.5 * 8.0) / 2.5
+    for n in core.trainable:
+        torch.testing.assert_close(core.theta[n], theta1[n] - want)
+    events = read_events(core.events.path)
+    folded = [e for e in events if e["kind"] == "update" and e["late_from"] is not None]
+    assert [(e["site"], e["late_from"], e["weight"]) for e in folded] == [("site-b", 0, 0.5)]
+
+
+def test_an_update_two_rounds_late_is_refused(tmp_path):
+    clock = Clock()
+    core = new_core(
+        tmp_path,
+        clock,
+        strategy={"name": "fedavg", "late_discount": 0.5},
+        rounds={"min_sites": 1, "deadline_s": 30.0},
+    )
+    tokens = _open_round(core, clock, ("site-a", "site-b"))
+    for r in range(2):
+        push(core, "site-a", tokens["site-a"], r, delta_like(core, 1.0))
+        heartbeat_all(core, clock, tokens, 31.0)
+    assert core.round.number == 2
+    with pytest.raises(Refused) as err:
+        push(core, "site-b", tokens["site-b"], 0, delta_like(core, 1.0), base=0)
+    assert err.value.code == "late"
+
+
+def test_the_event_log_survives_a_restart_and_continues(tmp_path):
+    clock = Clock()
+    core = new_core(tmp_path, clock)
+    tokens = _open_round(core, clock, ("site-a", "site-b"))
+    push(core, "site-a", tokens["site-a"], 0, delta_like(core, 1.0))
+    last = core.events.last_seq
+    core.events.close()
+    again = new_core(tmp_path, Clock(100.0))
+    events = read_events(again.events.path)
+    assert [e["seq"] for e in events] == list(range(1, last + 2))
+    assert events[-1]["kind"] == "start" and events[-1]["epoch"] == 2
+    kinds = [e["kind"] for e in events]
+    assert kinds[:1] == ["start"] and "round_open" in kinds and "update" in kinds
