@@ -149,6 +149,40 @@ def test_absolute_state_dir_is_kept(tmp_path: Path):
         ("lease_ttl_s = 30.0", "lease_ttl_s = 0", "timeouts.lease_ttl_s", "must be > 0"),
         ("lease_ttl_s = 30.0", "lease_ttl_s = 30.0\nheartbeat_s = 1", "timeouts.heartbeat_s", ""),
         ('name = "diloco"', 'name = ""', "strategy.name", "must not be empty"),
+        (
+            "lease_ttl_s = 30.0",
+            "lease_ttl_s = 30.0\nsuspicion_phi = 0",
+            "suspicion_phi",
+            "(0, 100)",
+        ),
+        ("lease_ttl_s = 30.0", "lease_ttl_s = 9.0", "timeouts.lease_ttl_s", "suspicion"),
+        (
+            "lease_ttl_s = 30.0",
+            "lease_ttl_s = 30.0\nsuspicion_pause_s = 40.0",
+            "timeouts.suspicion_phi",
+            "suspicion after",
+        ),
+        ("[server]", '[data]\nmode = "gossip"\n[server]', "data.mode", "shared"),
+        ("[server]", "[data]\nmodes = 1\n[server]", "data.modes", "unknown key"),
+        ("[server]", "[speculation]\nenabled = false\n[server]", "speculation", "'shared'"),
+        (
+            "[server]",
+            '[data]\nmode = "shared"\n[speculation]\nslow_factor = 0.5\n[server]',
+            "speculation.slow_factor",
+            ">= 1",
+        ),
+        (
+            "[server]",
+            '[data]\nmode = "shared"\n[speculation]\nslowfactor = 2\n[server]',
+            "speculation.slowfactor",
+            "unknown key",
+        ),
+        (
+            "[server]",
+            '[compression.downlink]\ndefault = "int9"\n[server]',
+            "compression.downlink.default.codec",
+            "unknown codec",
+        ),
     ],
 )
 def test_bad_config_names_the_key(tmp_path: Path, old, new, key, words):
@@ -171,6 +205,15 @@ def test_timeout_hierarchy_message_lists_all_three(tmp_path: Path):
         "rounds.deadline_s",
     ):
         assert key in message, message
+
+
+def test_suspicion_sits_between_the_heartbeat_and_the_lease(tmp_path: Path):
+    cfg = load_config(_write(tmp_path, VALID))
+    t = cfg.timeouts
+    assert t.heartbeat_interval_s < t.suspicion_after_s() < t.lease_ttl_s
+    shared = load_config(_write(tmp_path, VALID + '[data]\nmode = "shared"\n'))
+    assert shared.data.mode == "shared" and shared.speculation.enabled
+    assert cfg.data.mode == "federated" and cfg.downlink is None
 
 
 def test_invalid_toml_is_a_clear_error(tmp_path: Path):

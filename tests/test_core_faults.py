@@ -124,3 +124,50 @@ def test_the_event_log_survives_a_restart_and_continues(tmp_path):
     assert events[-1]["kind"] == "start" and events[-1]["epoch"] == 2
     kinds = [e["kind"] for e in events]
     assert kinds[:1] == ["start"] and "round_open" in kinds and "update" in kinds
+
+
+def test_sites_join_and_leave_at_round_boundaries_and_the_outer_state_carries_on(tmp_path):
+    """Elastic membership: site-c joins while round 1 is open (it takes part from round 2,
+    training from theta_2 like everyone else); site-a leaves after round 1. The outer
+    optimiser's momentum never leaves the coordinator, so a newcomer needs only theta."""
+    clock = Clock()
+    lr, mu = 0.7, 0.9
+    core = new_core(
+        tmp_path,
+        clock,
+        strategy={"name": "diloco", "lr": lr, "momentum": mu},
+        rounds={"min_sites": 2, "max_sites": 3},
+    )
+    tokens = _open_round(core, clock, ("site-a", "site-b"))
+    theta = {n: core.theta[n].clone() for n in core.trainable}
+    momentum = {n: torch.zeros_like(t) for n, t in theta.items()}
+
+    def expect(grads: list[float]) -> None:
+        g = sum(grads) / len(grads)
+        for n in theta:
+            momentum[n] = mu * momentum[n] + g
+            theta[n] = theta[n] - lr * (g + mu * momentum[n])
+            torch.testing.assert_close(core.theta[n], theta[n])
+
+    push(core, "site-a", tokens["site-a"], 0, delta_like(core, 1.0))
+    push(core, "site-b", tokens["site-b"], 0, delta_like(core, 3.0))
+    heartbeat_all(core, clock, tokens, 2.0)
+    expect([1.0, 3.0])
+    assert core.round.number == 1 and core.round.opened_at is not None
+    tokens["site-c"] = core.join("site-c")[0].token
+    assert not core.round_info("site-c")["participant"]
+    with pytest.raises(Refused) as err:
+        push(core, "site-c", tokens["site-c"], 1, delta_like(core, 5.0))
+    assert err.value.code == "not_participant"
+    push(core, "site-a", tokens["site-a"], 1, delta_like(core, 2.0))
+    push(core, "site-b", tokens["site-b"], 1, delta_like(core, 2.0))
+    heartbeat_all(core, clock, tokens, 1.0)  # closes round 1
+    expect([2.0, 2.0])
+    core.leave("site-a", tokens.pop("site-a"))
+    heartbeat_all(core, clock, tokens, 1.0)  # opens round 2
+    assert core.round.number == 2 and core.round.participants == {"site-b", "site-c"}
+    assert core.round_info("site-c")["participant"] and core.round_info("site-c")["version"] == 2
+    push(core, "site-b", tokens["site-b"], 2, delta_like(core, 1.0))
+    push(core, "site-c", tokens["site-c"], 2, delta_like(core, 5.0))
+    heartbeat_all(core, clock, tokens, 2.0)
+    expect([1.0, 5.0])  # momentum from rounds 0 and 1 still applies
