@@ -78,7 +78,7 @@ class RoundClock:
                     self.round.number,
                     ", ".join(sorted(self.round.participants - before)),
                 )
-            if self.shared:
+            if self.shared and self.round.opened_at is not None:
                 self._speculate(now, live, self.suspected)
                 decision = decide_close(now, *self._unit_view(live), self.opts)
             else:

@@ -59,11 +59,20 @@ class SharedData:
 
     def _admit_unit(self, site: str, round_number: int, unit: str) -> None:
         """Refuse a push for a unit the site does not hold, or one committed already."""
-        if round_number != self.round.number or self.round.closed or not unit:
+        r = self.round
+        if round_number < r.number or (round_number == r.number and r.closed):
+            raise Refused(
+                "late", f"round {round_number} is closed; the current round is {r.number}"
+            )
+        if round_number > r.number or r.opened_at is None:
+            raise Refused(
+                "early", f"round {round_number} is not open; the current round is {r.number}"
+            )
+        if not unit:
             raise Refused(
                 "invalid",
-                f"shared-data mode: an update names its data unit and the open round "
-                f"({self.round.number}); got unit {unit[:20]!r} for round {round_number}",
+                f"shared-data mode: an update names its data unit; got none for round "
+                f"{round_number}",
             )
         try:
             held = unit in self.ledger.units_of(round_number, site)
@@ -84,7 +93,8 @@ class SharedData:
     def _commit_unit(self, site: str, unit: str, now: float) -> None:
         r = self.round
         if not self.ledger.commit(r.number, unit, site):
-            raise Refused("duplicate", f"unit {unit} was already committed")
+            done = self.ledger.committed_by(unit)
+            raise Refused("duplicate", f"unit {unit} was already committed by {done[1]}")
         self.commit_times[unit] = now - (r.opened_at or now)
         for loser in self.ledger.losers(r.number, unit):
             self.cancels.setdefault(loser, set()).add(unit)
@@ -143,5 +153,5 @@ class SharedData:
         back = self.ledger.close_round(number)
         if back:
             log.warning("round %d closed without units %s: they go to a later round", number, back)
-        self.cancels.clear()
+        # Queued cancels stay: a losing copy hears on its next heartbeat even after the close.
         return back

@@ -3,12 +3,15 @@
 Threads, each with one job:
 
 * heartbeats: renew the lease every ``heartbeat_interval_s`` whatever the trainers are doing,
-  report their progress, and learn of new rounds;
+  report their progress, learn of new tasks and of cancelled data units;
 * WAN: fetch theta_r when a round opens (into a safetensors file in shared memory), and push the
-  pseudo-gradient a trainer hands over;
+  pseudo-gradients the trainers hand over;
 * local IPC: answer the trainers (``site_client.trainer``) on a Unix socket.
 
 The main thread runs the launcher (it installs signal handlers, so it must be the main thread).
+
+The trainers work on *tasks*, ``(round, data_unit)``, kept in a ``site_client.tasks.TaskBook``;
+what they may ask is in ``site_client.trainer_requests``.
 """
 
 from __future__ import annotations
@@ -31,8 +34,15 @@ from site_client.compression import (
     load_codec_state,
     save_codec_state,
 )
-from site_client.coordinator_client import CoordinatorClient, CoordinatorError, GlobalState
+from site_client.coordinator_client import (
+    CoordinatorClient,
+    CoordinatorError,
+    GlobalState,
+    PushAborted,
+)
 from site_client.local_ipc import IpcServer
+from site_client.tasks import TaskBook, Upload, describe, task_of, unit_index
+from site_client.trainer_requests import TrainerRequests
 from wire.backoff import DeadlineExceeded
 from wire.proto import isthmus_pb2 as pb
 
@@ -53,7 +63,9 @@ def default_shm_dir(site: str) -> Path:
     return base / f"isthmus-{site}-{os.getpid()}"
 
 
-class SiteAgent:
+class SiteAgent(TrainerRequests):
+    """One site's agent: its lease, its WAN transfers, and the trainers' requests."""
+
     def __init__(self, cfg: AgentConfig, client: CoordinatorClient) -> None:
         self.cfg = cfg
         self.client = client
@@ -61,24 +73,14 @@ class SiteAgent:
         self.info: pb.RoundInfo | None = None
         self.ready: dict | None = None  # theta published to the trainers
         self.held: GlobalState | None = None  # theta as fetched: the base of the next delta
-        self.pending: dict | None = None  # an update handed over, not yet pushed
-        self.pushed: set[int] = set()
+        self.book = TaskBook()
         self.progress = pb.Progress(phase="idle")
         self.error: str | None = None
         self.stopping = False
         self.heartbeat_interval_s = 5.0
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         cfg.shm_dir.mkdir(parents=True, exist_ok=True)
-        self.ipc = IpcServer(
-            cfg.shm_dir / "agent.sock",
-            {
-                "hello": self._hello,
-                "wait_round": self._wait_round,
-                "progress": self._progress,
-                "submit": self._submit,
-                "metrics": self._metrics,
-            },
-        )
+        self.ipc = IpcServer(cfg.shm_dir / "agent.sock", self.trainer_handlers())
         self._threads: list[threading.Thread] = []
 
     # ---- life cycle -----------------------------------------------------------------------
@@ -86,19 +88,23 @@ class SiteAgent:
     def start(self) -> None:
         """Join the job (with backoff) and start the agent's threads."""
         reply = self.client.join()
-        self.heartbeat_interval_s = reply.heartbeat_interval_s or 5.0
-        self.job_name = reply.job_name
-        self.job_config = reply.job_config.decode("utf-8", "replace")
-        self.compression = compression_of(self.job_config)
-        self.codec_state = load_codec_state(self.cfg.run_dir / CODEC_STATE_FILE)
-        with self.cond:
-            self.info = reply.round
+        self.joined(reply)
         self.ipc.start()
         for name, target in (("heartbeat", self._heartbeat_loop), ("wan", self._wan_loop)):
             t = threading.Thread(target=target, name=f"agent-{name}", daemon=True)
             t.start()
             self._threads.append(t)
         log.info("[%s] joined job %r at round %d", self.cfg.site, self.job_name, reply.round.round)
+
+    def joined(self, reply: pb.JoinReply) -> None:
+        """Take in the join reply: job config, codec state, the first task."""
+        self.heartbeat_interval_s = reply.heartbeat_interval_s or 5.0
+        self.job_name = reply.job_name
+        self.job_config = reply.job_config.decode("utf-8", "replace")
+        self.compression = compression_of(self.job_config)
+        self.codec_state = load_codec_state(self.cfg.run_dir / CODEC_STATE_FILE)
+        with self.cond:
+            self._take_round(reply.round)
 
     def stop(self, leave: bool = True) -> None:
         with self.cond:
@@ -127,13 +133,56 @@ class SiteAgent:
                 progress = pb.Progress()
                 progress.CopyFrom(self.progress)
             try:
-                info = self.client.heartbeat(progress).round
+                reply = self.client.heartbeat(progress)
             except (CoordinatorError, DeadlineExceeded) as exc:
                 self.fail(f"lost the coordinator: {exc}")
                 return
-            with self.cond:
-                self.info = info
-                self.cond.notify_all()
+            self.heard(reply)
+
+    def heard(self, reply: pb.HeartbeatReply) -> None:
+        """Take in a heartbeat reply: the task asked for now, and the units cancelled."""
+        with self.cond:
+            self._take_round(reply.round)
+            for command in reply.commands:
+                if command.WhichOneof("kind") == "cancel_unit":
+                    self._cancel(command.cancel_unit)
+
+    def _take_round(self, info: pb.RoundInfo) -> None:
+        """Adopt ``info`` (called under ``cond``); a malformed data unit stops the site."""
+        try:
+            unit_index(info.data_unit)
+        except ValueError as exc:
+            self.fail(f"the coordinator asked for round {info.round}: {exc}")
+        self.info = info
+        left = [t for t in self.book.issued if t[1] and t[0] < info.round and not self.book.done(t)]
+        dropped = self.book.advance(info.round)
+        what = self._let_go(left, dropped, None)
+        if what:
+            log.info("[%s] round %d is open: %s", self.cfg.site, info.round, "; ".join(what))
+        self.cond.notify_all()
+
+    def _cancel(self, unit: str) -> None:
+        """Another copy of ``unit`` was committed first (called under ``cond``)."""
+        training = [t for t in self.book.issued if t[1] == unit and not self.book.done(t)]
+        known = self.info.round if self.info is not None else 0
+        what = self._let_go(training, *self.book.cancel(unit, known))
+        log.info(
+            "[%s] unit %s was committed by another site first: %s",
+            self.cfg.site,
+            unit,
+            "; ".join(what) or "nothing of it here",
+        )
+        self.cond.notify_all()
+
+    def _let_go(self, training: list, dropped: list[Upload], aborted: Upload | None) -> list[str]:
+        """Delete the files of updates no longer wanted; say what stopped, for the log."""
+        for upload in dropped:
+            Path(upload.path).unlink(missing_ok=True)
+        what = [f"stopping the trainers on {describe(t)}" for t in training]
+        what += [f"dropped the queued update of {describe(u.task)}" for u in dropped]
+        if aborted is not None:
+            what.append(f"withdrawing the push of {describe(aborted.task)}")
+        return what
 
     def _wan_loop(self) -> None:
         try:
@@ -158,9 +207,10 @@ class SiteAgent:
         info = self.info
         if info is None:
             return None
-        if self.pending is not None:
+        if self.book.next_upload() is not None:
             return "push"
-        wanted = info.finished or (info.participant and info.round not in self.pushed)
+        task = task_of(info)
+        wanted = info.finished or (task is not None and not self.book.done(task))
         if wanted and (self.ready is None or self.ready["version"] != info.version):
             return "fetch"
         return None
@@ -177,8 +227,7 @@ class SiteAgent:
                 raise
             # The coordinator moved on since the last heartbeat; the next one says where to.
             log.info("[%s] %s; waiting for the next heartbeat", self.cfg.site, exc)
-            with self.cond:
-                self.info = self.client.heartbeat().round
+            self.heard(self.client.heartbeat())
             return
         self.held = state
         path = self.cfg.shm_dir / f"theta-v{state.version}.safetensors"
@@ -193,7 +242,7 @@ class SiteAgent:
                 "theta_path": str(path),
                 "theta_hash": state.theta_hash.hex(),
                 "finished": bool(info.finished),
-                "inner_steps": self.cfg.inner_steps or info.inner_steps,
+                "inner_steps": info.inner_steps,
                 "total_rounds": info.total_rounds,
             }
             self.progress.phase = "training"
@@ -213,42 +262,56 @@ class SiteAgent:
 
     def _push(self) -> None:
         with self.cond:
-            job = self.pending
+            job = self.book.start_upload()
+            if job is None:  # cancelled since the WAN thread chose to push it
+                return
             self.progress.phase = "pushing"
         started = time.monotonic()
-        delta = load_file(job["path"])
+        delta = load_file(job.path)
         sent_before = self.client.bytes_sent
         residuals = {k: v.clone() for k, v in self.codec_state.state_dict().items()}
+        counted = False
         try:
             reply = self.client.push(
-                job["round"],
+                job.task[0],
                 delta,
-                weight=job["weight"],
-                base_version=job["version"],
+                weight=job.weight,
+                base_version=job.version,
+                data_unit=job.task[1],
                 compression=self.compression,
                 codec_state=self.codec_state,
+                abort=lambda: job.aborted,
             )
-            outcome = reply.message
-            # Delivered: the residuals the encoding left are what the next round adds back.
-            save_codec_state(self.cfg.run_dir / CODEC_STATE_FILE, self.codec_state)
+            outcome, counted = reply.message, True
+        except PushAborted:
+            outcome = "withdrawn: another copy of its unit was committed first"
         except CoordinatorError as exc:
-            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                # The round closed without this site (deadline): the strategy's rule for late
+                # updates applies, and the trainers go on with the next task.
+                outcome = f"dropped: {exc}"
+            elif exc.code == grpc.StatusCode.ALREADY_EXISTS:
+                outcome = f"lost the race: {exc}"
+            else:
                 raise
-            # The round closed without this site (deadline): the strategy's rule for late
-            # updates applies, and the trainers go on with the next round.
-            outcome = f"dropped: {exc}"
+        if counted:
+            # Delivered: the residuals the encoding left are what the next update adds back.
+            save_codec_state(self.cfg.run_dir / CODEC_STATE_FILE, self.codec_state)
+        else:
+            # Not counted, so the error it carried was never applied: keep carrying it.
             self.codec_state.load_state_dict(residuals)
-            log.warning("[%s] round %d update not counted: %s", self.cfg.site, job["round"], exc)
-        Path(job["path"]).unlink(missing_ok=True)
+            log.warning(
+                "[%s] %s update not counted: %s", self.cfg.site, describe(job.task), outcome
+            )
+        Path(job.path).unlink(missing_ok=True)
         with self.cond:
-            self.pushed.add(job["round"])
-            self.pending = None
+            self.book.end_upload(job)
             self.progress.phase = "idle"
             self.cond.notify_all()
         log.info(
-            "[%s] round %d: pushed %.2f MB in %.2fs (%s)",
+            "[%s] %s: pushed %.2f MB in %.2fs (%s)",
             self.cfg.site,
-            job["round"],
+            describe(job.task),
             (self.client.bytes_sent - sent_before) / 1e6,
             time.monotonic() - started,
             outcome,
@@ -263,70 +326,3 @@ class SiteAgent:
             "wan_bytes_received": self.client.bytes_received,
         }
         (self.cfg.run_dir / "final.json").write_text(json.dumps(final))
-
-    # ---- trainer requests (IPC threads) -----------------------------------------------------
-
-    def _hello(self, req: dict) -> dict:
-        return {
-            "site": self.cfg.site,
-            "run_dir": str(self.cfg.run_dir),
-            "shm_dir": str(self.cfg.shm_dir),
-            "job_config": self.job_config,
-        }
-
-    def _wait_round(self, req: dict) -> dict:
-        after = int(req.get("after", -1))
-        timeout = float(req.get("timeout", self.cfg.wait_poll_s))
-
-        def ready() -> bool:
-            r = self.ready
-            return bool(self.error) or (
-                r is not None
-                and (r["finished"] or r["round"] > after and r["round"] not in self.pushed)
-            )
-
-        with self.cond:
-            if not self.cond.wait_for(ready, timeout=timeout):
-                return {"ready": False}
-            if self.error:
-                raise RuntimeError(self.error)
-            return {"ready": True, **self.ready}
-
-    def _progress(self, req: dict) -> dict:
-        with self.cond:
-            self.progress.round = int(req["round"])
-            self.progress.inner_step = int(req["step"])
-            self.progress.train_loss = float(req.get("loss", 0.0))
-            self.progress.phase = "training"
-        return {}
-
-    def _submit(self, req: dict) -> dict:
-        round_number = int(req["round"])
-        with self.cond:
-            same = self.pending is not None and self.pending["round"] == round_number
-            if round_number in self.pushed or same:
-                Path(req["path"]).unlink(missing_ok=True)
-                return {"accepted": True, "duplicate": True}
-            if self.ready is None or self.ready["round"] != round_number:
-                raise ValueError(f"round {round_number} is not the site's current round")
-            self.pending = {
-                "round": round_number,
-                "path": req["path"],
-                "weight": float(req.get("weight", 1.0)),
-                "version": self.ready["version"],
-            }
-            self.cond.notify_all()
-        return {"accepted": True}
-
-    def _metrics(self, req: dict) -> dict:
-        record = {k: v for k, v in req.items() if k != "op"}
-        record["site"] = self.cfg.site
-        with open(self.cfg.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        shown = "  ".join(
-            f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in record.items()
-            if k != "site"
-        )
-        log.info("[%s] %s", self.cfg.site, shown)
-        return {}

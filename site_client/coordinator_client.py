@@ -9,6 +9,7 @@ last acknowledged byte instead of starting them again.
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +38,10 @@ class CoordinatorError(RuntimeError):
     def __init__(self, code: grpc.StatusCode | None, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class PushAborted(RuntimeError):
+    """The caller withdrew an update while it was being pushed (its ``abort`` became true)."""
 
 
 @dataclass
@@ -277,6 +282,7 @@ class CoordinatorClient:
         data_unit: str = "",
         compression: CompressionConfig | None = None,
         codec_state: CodecState | None = None,
+        abort: Callable[[], bool] | None = None,
     ) -> pb.PushReply:
         """Send a pseudo-gradient for ``round_number``; resumes from the acknowledged offset.
 
@@ -284,6 +290,15 @@ class CoordinatorClient:
         feedback kept in ``codec_state`` (encoded once: retries resend the same bytes). An
         update the coordinator already counted (e.g. sent again after a coordinator restart)
         is reported as delivered.
+
+        Raises
+        ------
+        PushAborted
+            ``abort()`` became true (it is read between chunks): the stream was ended early,
+            and what arrived stays uncounted.
+        CoordinatorError
+            Refused for good. With ``data_unit``, ``ALREADY_EXISTS`` whose message says
+            "committed by" means another copy of the unit won: this update did not count.
         """
         if compression is None:
             manifest, payload = pack(delta)
@@ -310,16 +325,22 @@ class CoordinatorClient:
         def messages(start: int) -> Iterator[pb.PushMessage]:
             yield header()
             for offset, data in iter_chunks(payload, self.chunk_bytes, start=start):
+                if abort is not None and abort():
+                    return  # a short stream is left uncounted by the coordinator
                 yield pb.PushMessage(chunk=pb.Chunk(offset=offset, data=bytes(data)))
                 self.bytes_sent += len(data)
 
         def attempt() -> pb.PushReply:
+            if abort is not None and abort():
+                raise PushAborted(f"push of round {round_number} {data_unit}: withdrawn")
             if progress["tries"]:
                 probe = self.stub.Push(iter([header()]), timeout=self.rpc_timeout_s)
                 progress["acked"] = probe.acked_offset
             progress["tries"] += 1
             reply = self.stub.Push(messages(progress["acked"]), timeout=self.transfer_timeout_s)
             if not reply.complete:
+                if abort is not None and abort():
+                    raise PushAborted(f"push of round {round_number} {data_unit}: withdrawn")
                 progress["acked"] = reply.acked_offset
                 raise ChunkError(f"push incomplete: {reply.message}")
             return reply
@@ -328,8 +349,17 @@ class CoordinatorClient:
             return self._call("push", attempt)
         except CoordinatorError as exc:
             if exc.code == grpc.StatusCode.ALREADY_EXISTS:
+                if data_unit and self._lost_race(str(exc)):
+                    raise  # another copy of the unit won the race: ours did not count
                 return pb.PushReply(complete=True, message=f"already counted: {exc}")
             raise
+
+    def _lost_race(self, message: str) -> bool:
+        """Whether a refused unit was "committed by" another site. After a coordinator
+        restart this site's own earlier commit is replayed, and a resent copy is refused
+        naming this site: that one did count."""
+        winner = re.search(r"committed by ([\w.-]+)", message)
+        return winner is not None and winner.group(1) != self.site
 
     def wait_for_round(
         self,

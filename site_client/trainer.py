@@ -6,20 +6,35 @@
     model = build(); fully_shard(...); opt = AdamW(model.parameters())
     for rnd in session.rounds(model, opt):       # theta_r is loaded into the model
         for step in rnd.steps():                 # H inner steps (fewer after a restart)
-            loss = train_step(...)
+            if rnd.data_unit_index is None:      # federated: the site's own data
+                batch = my_batch(rnd.number, step)
+            else:                                # shared data: unit k of the shared stream
+                batch = shared_batch(rnd.data_unit_index, step)
+            loss = train_step(batch)
             rnd.loss = loss.item()               # shown in progress and `coordinator status`
-        # leaving the body hands the pseudo-gradient theta_r - theta_local to the agent
+        # leaving the body hands the pseudo-gradient theta_r - theta_local to the agent,
+        # unless rnd.cancelled
     session.report(val_loss=...)                 # the final theta is loaded when rounds() ends
 
-All ranks take part in every call. Hand-off to the agent goes through safetensors files in
-shared memory, never pickle: rank 0 reads theta_r and the other ranks receive their shards from
-it (``broadcast_from_rank0``); for the update, the full state is gathered on rank 0 (CPU offload)
-and the difference written once. A per-shard hand-off can replace ``_gather_full`` and
-``_load_theta`` without changing this API.
+All ranks take part in every call (``rounds``, ``steps``, ``report``, ``close``).
+
+Each item of ``rounds()`` is a *task*: round ``rnd.number`` on data unit ``rnd.data_unit``
+(``""`` in federated mode; ``"u<k>"``, ``rnd.data_unit_index == k``, in shared-data mode,
+where the same unit must give the same batches at whichever site trains it). In shared-data
+mode one round may bring several tasks, all from the same theta_r: after its own unit, a site
+may be given a backup copy of a straggler's. When another copy of the unit being trained was
+committed first, ``steps()`` stops early on every rank at the same step, ``rnd.cancelled`` is
+true, nothing is submitted and ``rounds()`` goes on to the next task.
+
+Hand-off to the agent goes through safetensors files in shared memory, never pickle: rank 0
+reads theta_r and the other ranks receive their shards from it (``broadcast_from_rank0``); for
+the update, the full state is gathered on rank 0 (CPU offload) and the difference written once.
+A per-shard hand-off can replace ``_gather_full`` and ``_load_theta`` without changing this API.
 
 Site checkpoints (``torch.distributed.checkpoint``, inner optimiser included) are written when a
-round starts, every ``checkpoint_every`` inner steps, and when its steps are done, so a trainer
-restarted by the launcher resumes where it was, with any number of ranks.
+task starts, every ``checkpoint_every`` inner steps, and when its steps are done, so a trainer
+restarted by the launcher resumes where it was, with any number of ranks, provided the agent
+still hands out the same task (same round and unit); otherwise the new task starts afresh.
 """
 
 from __future__ import annotations
@@ -30,7 +45,6 @@ import signal
 import sys
 import tomllib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,13 +64,18 @@ from site_client.checkpoint import (
     site_checkpoint_path,
 )
 from site_client.faults import ENV as FAULTS_ENV
-from site_client.faults import fault_at, inject, parse_faults
+from site_client.faults import parse_faults
 from site_client.local_ipc import IpcClient
+from site_client.tasks import unit_index, unit_name
+from site_client.trainer_round import Round, RoundSpec
 from wire.tensors import state_hash
 
 ENV_SOCKET = "ISTHMUS_AGENT_SOCKET"
+# Checkpoint names are sequence numbers: round * STEP_SLOTS + step for a round's first task
+# (so (round, step) = divmod(name, STEP_SLOTS) there), bumped past the last one for later
+# tasks of the same round, so names always sort in the order they were written.
 STEP_SLOTS = 1 << 20
-PR_SET_PDEATHSIG = 1  # checkpoint sequence number = round * STEP_SLOTS + step
+PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
@@ -85,59 +104,6 @@ def _init_process_group(backend: str, attempt: int) -> None:
 
 class TrainerError(RuntimeError):
     """The trainer cannot go on (no agent, theta mismatch, misuse of the API)."""
-
-
-@dataclass
-class RoundSpec:
-    round: int
-    version: int
-    inner_steps: int
-    total_rounds: int
-    finished: bool
-    theta_path: str = ""
-    theta_hash: str = ""
-
-
-class Round:
-    """One outer round as a training script sees it."""
-
-    def __init__(self, session: SiteSession, spec: RoundSpec, start_step: int, ckpt) -> None:
-        self.session = session
-        self.number = spec.round
-        self.inner_steps = spec.inner_steps
-        self.total_rounds = spec.total_rounds
-        self.start_step = start_step
-        self.completed_steps = start_step
-        self.loss = float("nan")
-        self.weight = float(spec.inner_steps)
-        self._ckpt = ckpt
-
-    def steps(self) -> Iterator[int]:
-        """Inner step numbers still to run in this round."""
-        for step in range(self.start_step, self.inner_steps):
-            yield step
-            self.completed_steps = step + 1
-            self.session._progress(self.number, self.completed_steps, self.loss)
-            inject(
-                fault_at(
-                    self.session.faults,
-                    self.session.site,
-                    self.number,
-                    self.completed_steps,
-                    self.session.rank,
-                    self.session.restart_count,
-                )
-            )
-            every = self.session.checkpoint_every
-            if (
-                every
-                and self.completed_steps % every == 0
-                and self.completed_steps < self.inner_steps
-            ):
-                self._ckpt(self.number, self.completed_steps)
-
-    def report(self, **metrics: float) -> None:
-        self.session.report(round=self.number, **metrics)
 
 
 class SiteSession:
@@ -169,45 +135,60 @@ class SiteSession:
         (pid_dir / f"rank-{self.rank}.pid").write_text(f"{os.getpid()} {self.restart_count}\n")
         self.final: RoundSpec | None = None
         self.faults = parse_faults(os.environ.get(FAULTS_ENV, ""))
+        self.faults_fired: set = set()
+        self._last_seq = -1
 
     # ---- the round loop -------------------------------------------------------------------
 
     def rounds(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[Round]:
-        resume = self._resume(model, optimizer)
-        after = resume[0] - 1 if resume else -1
+        """The tasks the agent hands out, each with theta_r loaded into ``model``.
 
-        def checkpoint(round_number: int, step: int) -> None:
-            path = site_checkpoint_path(self.ckpt_dir, round_number * STEP_SLOTS + step)
-            save_site_checkpoint(path, model, optimizer, {"round": round_number, "step": step})
+        After the body of the loop, the task's update is handed to the agent unless the task
+        was cancelled. Ends when the job is finished, with the final theta loaded.
+        """
+        resume = self._resume(model, optimizer)
+
+        def checkpoint(rnd: Round, step: int) -> None:
+            seq = max(self._last_seq + 1, rnd.number * STEP_SLOTS + step)
+            extra = {
+                "round": rnd.number,
+                "unit": -1 if rnd.data_unit_index is None else rnd.data_unit_index,
+                "step": step,
+                "seq": seq,
+            }
+            save_site_checkpoint(site_checkpoint_path(self.ckpt_dir, seq), model, optimizer, extra)
+            self._last_seq = seq
             if self.rank == 0:
                 prune_site_checkpoints(self.ckpt_dir, keep_last=2)
             dist.barrier()
 
         while True:
-            spec = self._wait_round(after)
+            spec = self._wait_round()
             if spec.finished:
                 self._load_theta(model, spec)
                 self.final = spec
                 return
-            if resume and resume[0] == spec.round and resume[1] > 0:
-                start = resume[1]
+            if resume and resume[:2] == (spec.round, spec.data_unit) and resume[2] > 0:
+                start = resume[2]
                 theta_r = load_file(spec.theta_path) if self.rank == 0 else {}
             else:
                 start = 0
                 theta_r = self._load_theta(model, spec)
-                checkpoint(spec.round, 0)
             resume = None
             rnd = Round(self, spec, start, checkpoint)
+            if start == 0:
+                checkpoint(rnd, 0)
             yield rnd
+            if rnd.cancelled:
+                continue
             if rnd.completed_steps < spec.inner_steps:
                 raise TrainerError(
                     f"round {spec.round}: the loop over rnd.steps() stopped after "
                     f"{rnd.completed_steps} of {spec.inner_steps} steps"
                 )
             if start < spec.inner_steps:
-                checkpoint(spec.round, spec.inner_steps)
+                checkpoint(rnd, spec.inner_steps)
             self._submit(model, spec, theta_r, rnd.weight)
-            after = spec.round
 
     def report(self, **metrics: float) -> None:
         """Send metrics (e.g. validation loss) to the agent's log and ``metrics.jsonl``."""
@@ -223,22 +204,26 @@ class SiteSession:
 
     # ---- pieces ---------------------------------------------------------------------------
 
-    def _resume(self, model, optimizer) -> tuple[int, int] | None:
+    def _resume(self, model, optimizer) -> tuple[int, str, int] | None:
+        """(round, data unit, step) of the newest site checkpoint, loaded into the model."""
         path = latest_site_checkpoint(self.ckpt_dir)
         if path is None:
             return None
         extra = load_site_checkpoint(path, model, optimizer)
-        return int(extra["round"]), int(extra["step"])
+        round_number, step = int(extra["round"]), int(extra["step"])
+        self._last_seq = int(extra.get("seq", round_number * STEP_SLOTS + step))
+        return round_number, unit_name(int(extra.get("unit", -1))), step
 
-    def _wait_round(self, after: int) -> RoundSpec:
+    def _wait_round(self) -> RoundSpec:
         # Rank 0 polls the agent with a short timeout and tells the others each time, so no
         # collective waits longer than a poll however long the round takes elsewhere.
         while True:
-            reply = self.ipc.call("wait_round", after=after) if self.ipc else {}
+            reply = self.ipc.call("wait_round") if self.ipc else {}
             flag = torch.tensor([1 if reply.get("ready") else 0], dtype=torch.int64)
             dist.broadcast(flag, src=0)
             if flag.item():
                 break
+        unit = unit_index(reply.get("data_unit", "")) if self.rank == 0 else None
         fields = torch.tensor(
             [
                 reply.get("round", 0),
@@ -246,13 +231,21 @@ class SiteSession:
                 reply.get("inner_steps", 0),
                 reply.get("total_rounds", 0),
                 int(bool(reply.get("finished"))),
+                -1 if unit is None else unit,
             ],
             dtype=torch.int64,
         )
         dist.broadcast(fields, src=0)
-        r, v, h, total, finished = (int(x) for x in fields.tolist())
+        r, v, h, total, finished, unit = (int(x) for x in fields.tolist())
         return RoundSpec(
-            r, v, h, total, bool(finished), reply.get("theta_path", ""), reply.get("theta_hash", "")
+            r,
+            v,
+            h,
+            total,
+            bool(finished),
+            reply.get("theta_path", ""),
+            reply.get("theta_hash", ""),
+            unit_name(unit),
         )
 
     def _load_theta(self, model, spec: RoundSpec) -> dict[str, torch.Tensor]:
@@ -284,15 +277,30 @@ class SiteSession:
                 for k, v in full.items()
                 if v.is_floating_point()
             }
-            path = self.shm_dir / f"delta-r{spec.round}-{self.restart_count}.safetensors"
+            unit = f"-{spec.data_unit}" if spec.data_unit else ""
+            name = f"delta-r{spec.round}{unit}-{self.restart_count}.safetensors"
+            path = self.shm_dir / name
             tmp = path.with_suffix(".tmp")
             save_file(delta, str(tmp))
             os.replace(tmp, path)
-            self.ipc.call("submit", round=spec.round, path=str(path), weight=weight)
+            self.ipc.call(
+                "submit",
+                round=spec.round,
+                data_unit=spec.data_unit,
+                path=str(path),
+                weight=weight,
+            )
         dist.barrier()
 
-    def _progress(self, round_number: int, step: int, loss: float) -> None:
-        if self.ipc:
-            self.ipc.call(
-                "progress", round=round_number, step=step, loss=loss if loss == loss else 0.0
-            )
+    def _progress(self, rnd: Round, step: int) -> bool:
+        """Tell the agent how far ``rnd`` got; on rank 0, whether it says to stop."""
+        if not self.ipc:
+            return False
+        reply = self.ipc.call(
+            "progress",
+            round=rnd.number,
+            data_unit=rnd.data_unit,
+            step=step,
+            loss=rnd.loss if rnd.loss == rnd.loss else 0.0,
+        )
+        return bool(reply.get("cancel"))

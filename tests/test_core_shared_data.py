@@ -124,3 +124,23 @@ def test_pushes_that_name_no_unit_or_someone_elses_are_refused(tmp_path):
     with pytest.raises(Refused):
         push(core, "site-a", tokens["site-a"], 0, delta_like(core, 1.0), unit="x\n")
     assert core.round.received == {}
+
+
+def test_ticks_before_the_first_round_opens_are_harmless(tmp_path):
+    clock = Clock()
+    core = new_core(tmp_path, clock, rounds={"join_window_s": 5.0}, **SHARED)
+    tokens = {"site-a": core.join("site-a")[0].token}
+    heartbeat_all(core, clock, tokens, 3.0)  # below quorum: waiting, no units yet
+    assert core.round.opened_at is None and core.round_info("site-a")["data_unit"] == ""
+    assert "waiting for sites" in core.waiting_reason()
+
+
+def test_a_push_for_a_closed_round_is_late_not_invalid(tmp_path):
+    clock = Clock()
+    core, tokens = _start(tmp_path, clock, speculation={"enabled": False})
+    for s, u in (("site-a", "u0"), ("site-b", "u1"), ("site-c", "u2")):
+        push(core, s, tokens[s], 0, delta_like(core, 1.0), unit=u)
+    core.tick()
+    with pytest.raises(Refused) as err:
+        push(core, "site-a", tokens["site-a"], 0, delta_like(core, 1.0), unit="u0", upload_id="x")
+    assert err.value.code == "late"

@@ -5,14 +5,21 @@ Every ``.py`` file under ``sysconfig.get_paths()["stdlib"]`` is read in sorted o
 A file belongs to the validation split when a hash of its relative path falls below
 ``val_fraction``, so the split never changes with the cap, the seed or the number of sites.
 
-Training batches are a pure function of their coordinates, with no global RNG:
+Training batches are a pure function of their coordinates, with no global RNG. Federated mode
+(:meth:`Corpus.site_batch`), where each site reads only its own data:
 
 * the training tokens are cut into ``num_sites`` contiguous, disjoint shards, one per site;
 * a site's batch for ``(round, inner_step)`` is ``batch_size`` non-overlapping windows of its
-  shard, drawn with a ``torch.Generator`` seeded from those numbers;
-* rank ``r`` of a site's ``world_size`` trainers gets the ``r``-th part of that batch
-  (``torch.tensor_split``). The site batch does not depend on ``world_size``, so a site that
-  restarts with a different number of trainers keeps reading the same data stream.
+  shard, drawn with a ``torch.Generator`` seeded from those numbers.
+
+Shared-data mode (:meth:`Corpus.unit_batch`), where the coordinator hands out units ``u<k>`` of
+one data stream and any site may train any unit: unit ``k`` is a fixed stretch of a stream that
+runs through the whole training split epoch after epoch (``shared_stream``), so the same unit
+gives the same batches at whichever site trains it.
+
+Either way, rank ``r`` of a site's ``world_size`` trainers gets the ``r``-th part of the batch
+(``torch.tensor_split``). The batch does not depend on ``world_size``, so a site that restarts
+with a different number of trainers keeps reading the same data.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 from torch import nn
 
 from examples.gpt_diloco.model import lm_loss
+from examples.gpt_diloco.shared_stream import SharedStream
 
 _SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
@@ -199,6 +207,59 @@ class Corpus:
         chosen = torch.randperm(n_windows, generator=gen)[:batch_size]
         starts = site_index * shard_len + offset + chosen * window
         return torch.tensor_split(starts, world_size)[local_rank]
+
+    def unit_batch(
+        self,
+        unit_index: int,
+        inner_step: int,
+        steps_per_unit: int,
+        local_rank: int,
+        world_size: int,
+        batch_size: int,
+        seq_len: int | None = None,
+        seed: int | None = None,
+    ) -> Batch:
+        """This rank's part of the batch of ``inner_step`` of shared data unit ``unit_index``.
+
+        Parameters
+        ----------
+        unit_index
+            ``k`` of unit ``"u<k>"`` (``Round.data_unit_index``).
+        inner_step, steps_per_unit
+            Position within the unit, and H: the unit's length in inner steps. Every site
+            must use the same H, or units would overlap.
+        local_rank, world_size
+            This trainer within its site; rank ``r`` gets ``tensor_split(batch, world_size)[r]``.
+        batch_size
+            Rows in the whole site's batch (at least ``world_size``).
+        seq_len, seed
+            Default to the corpus config's.
+
+        Returns
+        -------
+        inputs, targets
+            LongTensors of shape ``(rows, seq_len)``; ``targets`` is ``inputs`` shifted by one.
+        """
+        seq_len = self.config.seq_len if seq_len is None else seq_len
+        seed = self.config.seed if seed is None else seed
+        if not 0 <= local_rank < world_size:
+            raise ValueError(f"local_rank {local_rank} not in [0, {world_size})")
+        if batch_size < world_size:
+            raise ValueError(f"batch_size {batch_size} leaves some of {world_size} ranks no rows")
+        stream = self.shared_stream(seq_len, seed)
+        starts = stream.window_starts(unit_index, inner_step, steps_per_unit, batch_size)
+        return self._windows(
+            self.train, torch.tensor_split(starts, world_size)[local_rank], seq_len
+        )
+
+    def shared_stream(self, seq_len: int | None = None, seed: int | None = None) -> SharedStream:
+        """The shared-data stream over the training split (made once per ``seq_len, seed``)."""
+        seq_len = self.config.seq_len if seq_len is None else seq_len
+        seed = self.config.seed if seed is None else seed
+        streams = self.__dict__.setdefault("_streams", {})
+        if (seq_len, seed) not in streams:
+            streams[seq_len, seed] = SharedStream(len(self.train), seq_len, seed)
+        return streams[seq_len, seed]
 
     def validation_batches(
         self, n_batches: int, batch_size: int, seq_len: int | None = None

@@ -7,7 +7,10 @@ Run it under the site agent, which starts one copy per rank::
 
 The model's shape comes from the job config (``[model] kwargs``), so it always matches theta.
 Each round it reports the validation loss of the global theta_r it starts from, trains H inner
-steps with AdamW on its own shard of the corpus, and hands the pseudo-gradient to the agent.
+steps with AdamW and hands the pseudo-gradient to the agent. It reads its own shard of the
+corpus in federated mode, and in shared-data mode (``[data] mode = "shared"``) the unit of the
+shared stream the coordinator assigned, backup copies of other sites' units included; a unit
+committed elsewhere first is abandoned mid-way.
 """
 
 from __future__ import annotations
@@ -57,28 +60,40 @@ def main(argv=None) -> None:
     seq_len = model.config.seq_len
     corpus = load_corpus(CorpusConfig(max_bytes=args.corpus_bytes, seq_len=seq_len))
 
+    evaluated = -1
     for rnd in session.rounds(model, optimizer):
-        if rnd.start_step == 0:
+        if rnd.start_step == 0 and rnd.number != evaluated:  # once per theta_r, not per unit
             val = evaluate(model, corpus, args.eval_batches, args.batch_size)
             rnd.report(val_loss=val)
+            evaluated = rnd.number
         losses = []
         for step in rnd.steps():
-            inputs, targets = corpus.site_batch(
-                args.site_index,
-                args.num_sites,
-                rnd.number,
-                step,
-                session.rank,
-                session.world_size,
-                args.batch_size,
-            )
+            if rnd.data_unit_index is None:
+                inputs, targets = corpus.site_batch(
+                    args.site_index,
+                    args.num_sites,
+                    rnd.number,
+                    step,
+                    session.rank,
+                    session.world_size,
+                    args.batch_size,
+                )
+            else:
+                inputs, targets = corpus.unit_batch(
+                    rnd.data_unit_index,
+                    step,
+                    rnd.inner_steps,
+                    session.rank,
+                    session.world_size,
+                    args.batch_size,
+                )
             loss = lm_loss(model(inputs), targets)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             rnd.loss = loss.item()
             losses.append(rnd.loss)
-        if losses:
+        if losses and not rnd.cancelled:
             rnd.report(train_loss=sum(losses) / len(losses))
 
     final = evaluate(model, corpus, args.eval_batches, args.batch_size)

@@ -1,0 +1,196 @@
+"""What the site agent has been asked to train, and what became of it.
+
+A *task* is ``(round, data_unit)``. In federated mode the unit is ``""`` (the site trains on its
+own data) and there is one task per round. In shared-data mode the coordinator names a unit
+``"u<k>"`` of one shared data stream; after the site delivered it, the same round may come back
+with another unit (a backup copy of a straggler's), trained from the same theta_r. A unit
+committed first elsewhere is cancelled by a heartbeat command: the site stops training it and
+drops its update if not yet delivered. A shared-data task also ends when a later round opens:
+its round has closed, so its update can no longer count (an uncommitted unit is handed out
+again in a later round, as a new task).
+
+:class:`TaskBook` is the bookkeeping only (no clock, no I/O, no locking): the agent holds one
+under its condition variable and does the file and network work around it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from wire.proto import isthmus_pb2 as pb
+
+Task = tuple[int, str]
+_UNIT = re.compile(r"u(0|[1-9][0-9]{0,17})")  # k fits the int64 the trainers broadcast
+
+
+def unit_index(unit: str) -> int | None:
+    """The stream index ``k`` of ``"u<k>"``, ``None`` for ``""`` (federated mode).
+
+    Raises
+    ------
+    ValueError
+        ``unit`` is neither ``""`` nor ``"u<k>"`` with ``k >= 0``.
+    """
+    if unit == "":
+        return None
+    match = _UNIT.fullmatch(unit)
+    if match is None:
+        raise ValueError(f"malformed data unit {unit!r}; expected 'u<k>' with k >= 0")
+    return int(match.group(1))
+
+
+def unit_name(index: int | None) -> str:
+    """Inverse of :func:`unit_index`; a negative index or ``None`` means no unit."""
+    return "" if index is None or index < 0 else f"u{index}"
+
+
+def task_of(info: pb.RoundInfo | None) -> Task | None:
+    """The task ``info`` asks the site to train now, if any."""
+    if info is None or info.finished or not info.participant:
+        return None
+    return int(info.round), info.data_unit
+
+
+def describe(task: Task) -> str:
+    round_number, unit = task
+    return f"round {round_number}" + (f" unit {unit}" if unit else "")
+
+
+@dataclass
+class Upload:
+    """An update the trainers handed over: the file holding theta_r - theta_local and its task.
+
+    ``aborted`` is set (from another thread) when its unit is cancelled while it is pushed;
+    the push reads it between chunks.
+    """
+
+    task: Task
+    path: str
+    weight: float
+    version: int
+    aborted: bool = False
+
+
+@dataclass
+class TaskBook:
+    """Tasks handed to the trainers, updates waiting to be pushed, tasks finished for good.
+
+    Attributes
+    ----------
+    issued
+        Task -> the theta version it was handed out with (a submit must name one of these).
+    pending
+        Updates not yet pushed, oldest first; the one being pushed stays here until it ends.
+    finished
+        Tasks whose update was pushed, dropped by the coordinator or lost to another copy:
+        never trained again.
+    cancelled
+        Unit -> the latest round the site knew of when the cancel came. The cancel covers that
+        unit's tasks up to that round, not a later reassignment of the same name.
+    open_round
+        The latest round the coordinator said is open; shared-data tasks of earlier rounds
+        are over.
+    pushing
+        Whether the first of ``pending`` is being pushed.
+    """
+
+    issued: dict[Task, int] = field(default_factory=dict)
+    pending: dict[Task, Upload] = field(default_factory=dict)
+    finished: set[Task] = field(default_factory=set)
+    cancelled: dict[str, int] = field(default_factory=dict)
+    open_round: int = -1
+    pushing: bool = False
+
+    def is_cancelled(self, task: Task) -> bool:
+        """Whether ``task`` is a shared-data task cancelled or left behind by its round."""
+        round_number, unit = task
+        return bool(unit) and (
+            round_number <= self.cancelled.get(unit, -1) or round_number < self.open_round
+        )
+
+    def done(self, task: Task) -> bool:
+        """Nothing more to train for ``task``: delivered, handed over, or cancelled."""
+        return task in self.finished or task in self.pending or self.is_cancelled(task)
+
+    def issue(self, task: Task, version: int) -> None:
+        self.issued[task] = version
+
+    def submit(self, task: Task, path: str, weight: float) -> str:
+        """Queue the trainers' update for ``task``.
+
+        Returns
+        -------
+        str
+            ``"accepted"``, or why the file is not wanted: ``"duplicate"`` (already handed
+            over, e.g. by a trainer that restarted after submitting) or ``"cancelled"``.
+
+        Raises
+        ------
+        ValueError
+            ``task`` was never handed to the trainers.
+        """
+        if task in self.finished or task in self.pending:
+            return "duplicate"
+        if self.is_cancelled(task):
+            return "cancelled"
+        if task not in self.issued:
+            raise ValueError(f"{describe(task)} is not a task this site handed out")
+        self.pending[task] = Upload(task, path, weight, self.issued[task])
+        return "accepted"
+
+    def cancel(self, unit: str, known_round: int) -> tuple[list[Upload], Upload | None]:
+        """Cancel ``unit`` in every round up to ``known_round`` (and every task already known).
+
+        Returns
+        -------
+        dropped, aborted
+            Updates of that unit taken off the queue (their files are the caller's to delete),
+            and the one being pushed, if any, now marked ``aborted``: another copy won, so it
+            cannot count.
+        """
+        rounds = [r for r, u in (*self.issued, *self.pending) if u == unit]
+        self.cancelled[unit] = max(known_round, *rounds, self.cancelled.get(unit, -1))
+        return self._drop(abort=True)
+
+    def advance(self, open_round: int) -> list[Upload]:
+        """Round ``open_round`` is open; returns the queued updates of earlier rounds' shared
+        tasks, taken off the queue. One being pushed goes on: it may be what closed its round.
+        """
+        if open_round <= self.open_round:
+            return []
+        self.open_round = open_round
+        return self._drop(abort=False)[0]
+
+    def _drop(self, abort: bool) -> tuple[list[Upload], Upload | None]:
+        for task in [t for t in self.issued if self.is_cancelled(t)]:
+            del self.issued[task]
+        dropped: list[Upload] = []
+        aborted = None
+        for i, (task, upload) in enumerate(list(self.pending.items())):
+            if not self.is_cancelled(task):
+                continue
+            if i == 0 and self.pushing:
+                if abort:
+                    upload.aborted = True
+                    aborted = upload
+            else:
+                dropped.append(self.pending.pop(task))
+                self.finished.add(task)
+        return dropped, aborted
+
+    def next_upload(self) -> Upload | None:
+        """The update to push next (the oldest), if any."""
+        return next(iter(self.pending.values()), None)
+
+    def start_upload(self) -> Upload | None:
+        upload = self.next_upload()
+        self.pushing = upload is not None
+        return upload
+
+    def end_upload(self, upload: Upload) -> None:
+        """``upload`` was delivered, refused or given up: its task is finished."""
+        self.pending.pop(upload.task, None)
+        self.finished.add(upload.task)
+        self.issued.pop(upload.task, None)
+        self.pushing = False

@@ -1,0 +1,103 @@
+"""``CoordinatorClient.push`` in shared-data mode: telling a lost race from an update already
+counted, and withdrawing an update mid-stream (a fake stub: no network)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from site_client.coordinator_client import CoordinatorClient, CoordinatorError, PushAborted
+from wire.proto import isthmus_pb2 as pb
+
+DELTA = {"w": torch.zeros(1 << 20)}  # 4 MiB: 4 chunks of 1 MiB
+
+
+class Refusal(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class FakeStub:
+    """Reads the push stream; refuses it, or answers ``complete`` once it all arrived."""
+
+    def __init__(self, refusal: Refusal | None = None, on_chunk=None) -> None:
+        self.refusal, self.on_chunk = refusal, on_chunk
+        self.chunks = 0
+
+    def Push(self, messages, timeout=None) -> pb.PushReply:  # noqa: N802 - gRPC's name
+        received = 0
+        for msg in messages:
+            if msg.WhichOneof("kind") == "chunk":
+                self.chunks += 1
+                received += len(msg.chunk.data)
+                if self.on_chunk:
+                    self.on_chunk(self.chunks)
+        if self.refusal is not None:
+            raise self.refusal
+        return pb.PushReply(complete=received == 4 << 20, acked_offset=received)
+
+
+@pytest.fixture
+def client():
+    c = CoordinatorClient("127.0.0.1:1", "site-0", chunk_bytes=1 << 20)
+    c.lease = pb.Lease(site="site-0", token=1)
+    yield c
+    c.close()
+
+
+def refused(details: str) -> Refusal:
+    return Refusal(grpc.StatusCode.ALREADY_EXISTS, details)
+
+
+def test_a_unit_committed_by_another_site_is_a_lost_race(client) -> None:
+    client.stub = FakeStub(refused("unit u3 was already committed by site-2 in round 0"))
+    with pytest.raises(CoordinatorError) as err:
+        client.push(0, DELTA, data_unit="u3")
+    assert err.value.code == grpc.StatusCode.ALREADY_EXISTS and "site-2" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("unit", "details"),
+    [
+        # Resent after a coordinator restart replayed this site's own commit: it counted.
+        ("u3", "unit u3 was already committed by site-0 in round 0; this copy is not counted"),
+        ("u3", "upload already counted"),
+        # Federated mode: as before, whatever the words.
+        ("", "update of site-0 for round 0 already committed by site-2"),
+    ],
+)
+def test_other_already_exists_refusals_mean_already_counted(client, unit, details) -> None:
+    client.stub = FakeStub(refused(details))
+    reply = client.push(0, DELTA, data_unit=unit)
+    assert reply.complete and reply.message.startswith("already counted")
+
+
+def test_a_site_whose_name_extends_the_winners_is_not_the_winner() -> None:
+    c = CoordinatorClient("127.0.0.1:1", "site-0")
+    try:
+        assert c._lost_race("unit u1 was already committed by site-01 in round 2")
+        assert c._lost_race("unit u1 was already committed by site-0.b in round 2")
+        assert not c._lost_race("unit u1 was already committed by site-0 in round 2")
+        assert not c._lost_race("unit u1 was already committed")
+    finally:
+        c.close()
+
+
+def test_abort_ends_the_stream_early_and_raises(client) -> None:
+    withdrawn = {"now": False}
+    stub = FakeStub(on_chunk=lambda n: withdrawn.update(now=n >= 2))
+    client.stub = stub
+    with pytest.raises(PushAborted):
+        client.push(0, DELTA, data_unit="u1", abort=lambda: withdrawn["now"])
+    assert stub.chunks == 2  # no chunk sent once withdrawn, and no retry
+    # Not withdrawn: the whole update goes.
+    client.stub = stub = FakeStub()
+    assert client.push(0, DELTA, data_unit="u1", abort=lambda: False).complete
+    assert stub.chunks == 4
