@@ -222,6 +222,8 @@ class RoundClock:
                 return self.fatal
             if self.finished:
                 return f"job finished after {self.cfg.rounds.total} rounds"
-            return waiting_reason(
-                self.clock(), self.round, self.leases.live(self.clock()), self.opts
-            )
+            now = self.clock()
+            live = self.leases.live(now) - self.suspected
+            if self.shared and self.round.opened_at is not None:
+                return self._units_waiting_reason(now, live)
+            return waiting_reason(now, self.round, live, self.opts)

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from coordinator.ledger import DataLedger, LedgerError
 from coordinator.records import Refused
-from coordinator.rounds import RoundState
+from coordinator.rounds import RoundState, decide_close
 from coordinator.speculation import plan_backups
 
 log = logging.getLogger("isthmus.coordinator")
@@ -148,6 +148,16 @@ class SharedData:
         received = {u: r.received.get(u, 1.0) for u in units if self.ledger.committed_by(u)}
         alive = {u for u in units if set(self.ledger.holders(r.number, u)) & live}
         return replace(r, participants=frozenset(units), received=received), alive
+
+    def _units_waiting_reason(self, now: float, live: set[str]) -> str:
+        r = self.round
+        view, alive = self._unit_view(live)
+        decision = decide_close(now, view, alive, self.opts)
+        missing = self.ledger.uncommitted(r.number)
+        if decision.act or not missing or "deadline passed" in decision.reason:
+            return decision.reason
+        where = [f"{u} at {'/'.join(self.ledger.holders(r.number, u))}" for u in missing]
+        return f"waiting on {len(missing)} data unit(s): {', '.join(where)}"
 
     def _close_units(self, number: int) -> list[str]:
         back = self.ledger.close_round(number)

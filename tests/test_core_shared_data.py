@@ -144,3 +144,10 @@ def test_a_push_for_a_closed_round_is_late_not_invalid(tmp_path):
     with pytest.raises(Refused) as err:
         push(core, "site-a", tokens["site-a"], 0, delta_like(core, 1.0), unit="u0", upload_id="x")
     assert err.value.code == "late"
+
+
+def test_status_says_which_units_the_round_waits_for(tmp_path):
+    clock = Clock()
+    core, tokens = _start(tmp_path, clock, speculation={"enabled": False})
+    push(core, "site-a", tokens["site-a"], 0, delta_like(core, 1.0), unit="u0")
+    assert core.waiting_reason() == "waiting on 2 data unit(s): u1 at site-b, u2 at site-c"
