@@ -74,8 +74,8 @@ def waiting_reason(now: float, state: RoundState, live: set[str], opts: RoundOpt
     return decide_close(now, state, live, opts).reason
 
 
-def admit_update(state: RoundState, site: str, round_number: int) -> None:
-    """Raise ``UpdateRefused`` unless an update from ``site`` for ``round_number`` may count."""
+def admit_round(state: RoundState, round_number: int) -> None:
+    """Raise ``UpdateRefused`` unless ``round_number`` is the open round."""
     if round_number < state.number or (round_number == state.number and state.closed):
         raise UpdateRefused(
             "late", f"round {round_number} is closed; the current round is {state.number}"
@@ -84,6 +84,11 @@ def admit_update(state: RoundState, site: str, round_number: int) -> None:
         raise UpdateRefused(
             "early", f"round {round_number} is not open; the current round is {state.number}"
         )
+
+
+def admit_update(state: RoundState, site: str, round_number: int) -> None:
+    """Raise ``UpdateRefused`` unless an update from ``site`` for ``round_number`` may count."""
+    admit_round(state, round_number)
     if site not in state.participants:
         raise UpdateRefused(
             "not_participant",

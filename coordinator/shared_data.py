@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from coordinator.ledger import DataLedger, LedgerError
 from coordinator.records import Refused
-from coordinator.rounds import RoundState, decide_close
+from coordinator.rounds import RoundState, UpdateRefused, admit_round, decide_close
 from coordinator.speculation import plan_backups
 
 log = logging.getLogger("isthmus.coordinator")
@@ -59,15 +59,10 @@ class SharedData:
 
     def _admit_unit(self, site: str, round_number: int, unit: str) -> None:
         """Refuse a push for a unit the site does not hold, or one committed already."""
-        r = self.round
-        if round_number < r.number or (round_number == r.number and r.closed):
-            raise Refused(
-                "late", f"round {round_number} is closed; the current round is {r.number}"
-            )
-        if round_number > r.number or r.opened_at is None:
-            raise Refused(
-                "early", f"round {round_number} is not open; the current round is {r.number}"
-            )
+        try:
+            admit_round(self.round, round_number)
+        except UpdateRefused as exc:
+            raise Refused(exc.code, str(exc)) from exc
         if not unit:
             raise Refused(
                 "invalid",
