@@ -12,50 +12,34 @@ import logging
 import re
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import grpc
 import torch
 
+from site_client.errors import CoordinatorError, PushAborted
+from site_client.theta_fetch import GlobalState, ThetaDownlink
 from wire.backoff import BackoffPolicy, retry
 from wire.channel import open_channel
-from wire.chunking import DEFAULT_CHUNK_BYTES, BufferSink, ChunkError, Reassembler, iter_chunks
+from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError, iter_chunks
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
-from wire.downlink import apply_delta, differing
 from wire.identity import Bundle
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
-from wire.tensors import Manifest, PayloadError, pack, pack_encoded, state_hash, unpack
+from wire.tensors import pack, pack_encoded
+
+# Re-exported: callers import the whole client API from this module.
+__all__ = ["CoordinatorClient", "CoordinatorError", "GlobalState", "PushAborted"]
 
 log = logging.getLogger("isthmus.site")
 TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-
-
-class CoordinatorError(RuntimeError):
-    """The coordinator refused a request for good; the message is its reason."""
-
-    def __init__(self, code: grpc.StatusCode | None, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class PushAborted(RuntimeError):
-    """The caller withdrew an update while it was being pushed (its ``abort`` became true)."""
-
-
-@dataclass
-class GlobalState:
-    version: int
-    theta: dict[str, torch.Tensor]
-    theta_hash: bytes
 
 
 def _code(exc: BaseException) -> grpc.StatusCode | None:
     return exc.code() if isinstance(exc, grpc.RpcError) else None
 
 
-class CoordinatorClient:
+class CoordinatorClient(ThetaDownlink):
     def __init__(
         self,
         address: str,
@@ -181,93 +165,6 @@ class CoordinatorClient:
         return self._call(
             "status", lambda: self.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s)
         )
-
-    # ---- theta downlink -------------------------------------------------------------------
-
-    def fetch(self, version: int | None = None, held: GlobalState | None = None) -> GlobalState:
-        """Download theta (the current version, or ``version``), resuming after breaks.
-
-        With ``held`` (the theta this site holds) the coordinator may send the compressed delta
-        from it instead of the whole state; the result is checked against the coordinator's
-        hash, and a mismatch falls back to a whole fetch, logging the tensors that differed.
-        """
-        if held is not None and version is not None and held.version == version:
-            return held
-        got = self._fetch_payload(version, held.version if held is not None else None)
-        manifest, payload, header = got
-        try:
-            if header.HasField("from_version"):
-                if held is None or header.from_version != held.version:
-                    raise PayloadError(f"a delta from version {header.from_version} came back")
-                theta = apply_delta(held.theta, manifest, payload)
-            else:
-                theta = unpack(manifest, payload)
-        except PayloadError as exc:
-            raise CoordinatorError(None, f"fetch: bad payload from coordinator: {exc}") from exc
-        state = GlobalState(header.version, theta, header.theta_hash)
-        if state_hash(theta) == header.theta_hash:
-            return state
-        if not header.HasField("from_version"):
-            raise CoordinatorError(None, "fetch: theta does not match the coordinator's hash")
-        whole = self.fetch(header.version)
-        log.error(
-            "theta_%d rebuilt from the delta does not match the coordinator's hash; fetched it "
-            "whole. Tensors that differed: %s",
-            header.version,
-            ", ".join(differing(theta, whole.theta)) or "(none: only the hash)",
-        )
-        self.delta_mismatches += 1
-        return whole
-
-    def _fetch_payload(self, version: int | None, from_version: int | None):
-        state: dict = {"manifest": None, "sink": None, "asm": None, "header": None}
-
-        def attempt():
-            asm = state["asm"]
-            offset = asm.received if asm is not None else 0
-            req = pb.FetchRequest(lease=self.lease, offset=offset)
-            if from_version is not None:
-                req.from_version = from_version
-            if version is not None:
-                req.version = version
-            elif state["header"] is not None:
-                req.version = state["header"].version  # continue the version we started
-            try:
-                receive(self.stub.Fetch(req, timeout=self.transfer_timeout_s), offset)
-            except grpc.RpcError as exc:
-                pinned = version is None and state["header"] is not None
-                if exc.code() != grpc.StatusCode.NOT_FOUND or not pinned:
-                    raise
-                # The version being resumed is no longer served (its round closed meanwhile):
-                # start over on the current one.
-                gone = state["header"].version
-                state.update(manifest=None, sink=None, asm=None, header=None)
-                raise ChunkError(f"version {gone} is gone; fetching anew") from exc
-            state["asm"].finish()
-
-        def receive(stream, offset: int) -> None:
-            for msg in stream:
-                if msg.HasField("header"):
-                    manifest = Manifest.from_proto(msg.header.manifest)
-                    if state["manifest"] is None or state["manifest"].sha256 != manifest.sha256:
-                        sink = BufferSink(manifest.total_bytes)
-                        state.update(
-                            manifest=manifest,
-                            sink=sink,
-                            header=msg.header,
-                            asm=Reassembler(manifest.total_bytes, manifest.sha256, sink),
-                        )
-                        if offset:
-                            raise ChunkError("the coordinator moved to a new payload; restarting")
-                    continue
-                state["asm"].add(msg.chunk.offset, msg.chunk.data)
-                self.bytes_received += len(msg.chunk.data)
-
-        try:
-            self._call("fetch", attempt)
-        except ChunkError as exc:
-            raise CoordinatorError(None, f"fetch: bad payload from coordinator: {exc}") from exc
-        return state["manifest"], state["sink"].buffer, state["header"]
 
     # ---- updates --------------------------------------------------------------------------
 
