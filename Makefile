@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
-.PHONY: demo test lint format proto clean
+.PHONY: demo test test-slow lint format proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,12 @@ demo: $(VENV)/.installed
 test: $(VENV)/.dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# The whole fault matrix too (about 10 more minutes on 2 cores); `python -m bench.chaos` runs
+# the same scenarios and prints the summary figures.
+test-slow: $(VENV)/.dev
+	$(BIN)/python -m pytest -q -m slow
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check .

@@ -28,6 +28,9 @@ class TimeoutsConfig:
     suspicion_phi: float = 8.0
     # Silence tolerated on top of the usual interval; None: lease_ttl_s / 2 - heartbeat.
     suspicion_pause_s: float | None = None
+    # After the last round, how long the final theta is served to sites of that round that
+    # have not fetched it yet (one cut off by the WAN comes back for it).
+    final_fetch_s: float = 600.0
 
     def detector_options(self) -> DetectorOptions:
         hb = self.heartbeat_interval_s
@@ -80,6 +83,7 @@ def parse_timeouts(t: Table, deadline_s: float) -> TimeoutsConfig:
             check=lambda v: None if 0 < v < 100 else "must be in (0, 100)",
         ),
         suspicion_pause_s=t.get("suspicion_pause_s", float, None, check=non_negative),
+        final_fetch_s=t.get("final_fetch_s", float, 600.0, check=positive),
     )
     t.reject_unknown()
     suspicion = timeouts.suspicion_after_s()

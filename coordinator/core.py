@@ -72,6 +72,7 @@ class CoordinatorCore(UpdateIntake, RoundClock, SharedData):
         self.last_close_reason = ""
         self.downlink = Downlink(cfg.downlink) if cfg.downlink is not None else None
         self.detector = PhiAccrualDetector(cfg.timeouts.detector_options())
+        self.suspicion_s = cfg.timeouts.suspicion_after_s()
         self.suspected: set[str] = set()
         self.ledger = None
         self.late: dict[str, SpooledUpdate] = {}  # late updates folded into the open round

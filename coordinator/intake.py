@@ -10,11 +10,13 @@ for round R folded into the round after it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
 import torch
 
+from coordinator.leases import LeaseError
 from coordinator.records import Refused, SiteRecord, check_name
 from coordinator.rounds import UpdateRefused, admit_update, record_update
 from coordinator.spool import read_tensors
@@ -69,13 +71,19 @@ class UpdateIntake:
         upload.unit, upload.late_from = (unit if self.shared else ""), late_from
         return upload
 
-    def upload_chunk(self, upload: Upload, offset: int, data: bytes) -> None:
+    def upload_chunk(self, upload: Upload, offset: int, data: bytes, token: int = 0) -> None:
         try:
             upload.add(offset, data)
         except ChunkError as exc:
             raise Refused("invalid", f"upload {upload.upload_id}: {exc}") from exc
         with self.lock:
             self.bytes_in += len(data)
+            # A site busy sending its update is alive even when its heartbeats queue behind
+            # the upload on a slow link: its data renews the lease and holds off suspicion.
+            now = self.clock()
+            with contextlib.suppress(LeaseError):
+                self.leases.renew(upload.site, token, now)
+            self.sites.setdefault(upload.site, SiteRecord()).last_data_at = now
 
     def finish_upload(self, upload: Upload, token: int) -> bool:
         """Count a fully received upload; returns False if bytes are still missing."""
@@ -83,6 +91,10 @@ class UpdateIntake:
             return False
         try:
             upload.verify()
+        except ChunkError as exc:
+            self.uploads.discard(upload)
+            raise Refused("corrupt", f"update from {upload.site} refused: {exc}") from exc
+        try:
             # Encoded tensors are decoded (and so fully checked) here, one at a time.
             for name, t in read_tensors(upload.path, upload.manifest):
                 if not bool(torch.isfinite(t).all()):
@@ -91,8 +103,10 @@ class UpdateIntake:
             self.uploads.discard(upload)
             raise Refused("invalid", f"update from {upload.site} refused: {exc}") from exc
         with self.lock:
+            # A lease that lapsed while the bytes were on their way: the upload stays whole,
+            # so the site re-joins and completes it with one header instead of resending it.
+            self._lease(upload.site, token)
             try:
-                self._lease(upload.site, token)
                 key, unit = self._recheck(upload)
             except Refused:
                 self.uploads.discard(upload)

@@ -37,6 +37,7 @@ class SiteRecord:
     last_update_at: float | None = None
     last_round_pushed: int | None = None
     progress: dict | None = None
+    last_data_at: float | None = None  # last chunk of an update received
 
 
 @dataclass(frozen=True)

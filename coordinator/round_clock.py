@@ -46,8 +46,8 @@ class RoundClock:
                 log.warning("lease of site %s expired", site)
             live = self.leases.live(now)
             self._note_suspicion(now, live)
-            # Suspected sites are not waited for: a round neither opens nor stays open on them.
-            live = live - self.suspected
+            # A suspected site still joins the round that opens (it may be back in a moment),
+            # but the round does not wait for it (``responsive`` below).
             was_open = self.round.opened_at is not None
             self.round = open_round(now, self.round, live, self.opts)
             if not was_open and self.round.opened_at is not None:
@@ -78,11 +78,12 @@ class RoundClock:
                     self.round.number,
                     ", ".join(sorted(self.round.participants - before)),
                 )
+            responsive = live - self.suspected
             if self.shared and self.round.opened_at is not None:
-                self._speculate(now, live, self.suspected)
-                decision = decide_close(now, *self._unit_view(live), self.opts)
+                self._speculate(now, responsive, self.suspected)
+                decision = decide_close(now, *self._unit_view(responsive), self.opts)
             else:
-                decision = decide_close(now, self.round, live, self.opts)
+                decision = decide_close(now, self.round, responsive, self.opts)
             if not decision.act:
                 return False
             self.round = replace(self.round, closed=True)
@@ -93,7 +94,13 @@ class RoundClock:
         return True
 
     def _note_suspicion(self, now: float, live: set[str]) -> None:
-        suspected = self.detector.suspected(now) & live
+        quiet_for = self.suspicion_s
+        suspected = {
+            s
+            for s in self.detector.suspected(now) & live
+            if (self.sites.get(s) or SiteRecord()).last_data_at is None
+            or now - self.sites[s].last_data_at > quiet_for
+        }
         for site in sorted(suspected - self.suspected):
             phi = self.detector.phi(site, now)
             self.events.append("suspected", site=site, phi=round(phi, 2))

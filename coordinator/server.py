@@ -122,12 +122,34 @@ class CoordinatorServer:
             self._lock.close()
 
     def _sites_gone(self, finished_at: float) -> bool:
-        with self.core.lock:
-            live = self.core.leases.live(self.core.clock())
-        return not live or time.monotonic() - finished_at > self.cfg.timeouts.lease_ttl_s
+        core = self.core
+        with core.lock:
+            live = core.leases.live(core.clock())
+            last = core.last_closed["participants"] if core.last_closed else set()
+            left = {s for s, rec in core.sites.items() if rec.state == "left"}
+        owed = final_fetch_owed(live, last, left)
+        if not owed:
+            return True
+        if time.monotonic() - finished_at > self.cfg.timeouts.final_fetch_s:
+            log.warning(
+                "stopping without %s: no final fetch within timeouts.final_fetch_s=%gs",
+                ", ".join(sorted(owed)),
+                self.cfg.timeouts.final_fetch_s,
+            )
+            return True
+        return False
 
     def stop(self) -> None:
         self.stop_event.set()
+
+
+def final_fetch_owed(live: set[str], last_round: set[str], left: set[str]) -> set[str]:
+    """After the last round, the sites the coordinator still serves the final theta to: those
+    holding a lease, and those of the last round that have not fetched it and left (one cut
+    off by the WAN comes back for it). The coordinator waits for them up to
+    ``timeouts.final_fetch_s``.
+    """
+    return set(live) | (set(last_round) - set(left))
 
 
 def lock_state_dir(state_dir: Path):

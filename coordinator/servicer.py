@@ -28,6 +28,8 @@ log = logging.getLogger("isthmus.coordinator")
 
 STATUS_CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    # Damaged in flight (the payload's SHA-256 does not match): the site sends it again.
+    "corrupt": grpc.StatusCode.DATA_LOSS,
     "lease": grpc.StatusCode.ABORTED,
     "late": grpc.StatusCode.FAILED_PRECONDITION,
     "early": grpc.StatusCode.FAILED_PRECONDITION,
@@ -226,7 +228,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if msg.WhichOneof("kind") != "chunk":
                     raise Refused("invalid", "a push stream carries one header, then only chunks")
                 refuse_unknown_fields(msg)
-                self.core.upload_chunk(upload, msg.chunk.offset, msg.chunk.data)
+                self.core.upload_chunk(upload, msg.chunk.offset, msg.chunk.data, h.lease.token)
             if not context.is_active():
                 # The stream ended in a message grpc could not decode, or was cancelled: grpc
                 # reports that to the client itself; what arrived stays resumable, uncounted.

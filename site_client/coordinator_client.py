@@ -66,6 +66,10 @@ class CoordinatorClient(ThetaDownlink):
         self.on_retry = on_retry
         self.channel = open_channel(address, tls)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+        # Heartbeats on their own connection: behind a multi-megabyte push on a slow link they
+        # would wait for the push and the lease would lapse while the site is busy sending.
+        self.control_channel = open_channel(address, tls, own_connection=True)
+        self.control = pb_grpc.CoordinatorStub(self.control_channel)
         self.lease: pb.Lease | None = None
         self.join_reply: pb.JoinReply | None = None
         self.bytes_sent = 0
@@ -74,6 +78,7 @@ class CoordinatorClient(ThetaDownlink):
 
     def close(self) -> None:
         self.channel.close()
+        self.control_channel.close()
 
     def __enter__(self) -> CoordinatorClient:
         return self
@@ -99,8 +104,10 @@ class CoordinatorClient(ThetaDownlink):
 
         def retryable(exc: BaseException) -> bool:
             # A chunk that fails its checks was damaged in flight or the stream broke: resend.
+            # DATA_LOSS: the coordinator found the update damaged in flight and dropped it.
             return isinstance(exc, ChunkError) or _code(exc) in TRANSIENT | {
-                grpc.StatusCode.ABORTED
+                grpc.StatusCode.ABORTED,
+                grpc.StatusCode.DATA_LOSS,
             }
 
         def report(n: int, delay: float, exc: BaseException) -> None:
@@ -144,7 +151,7 @@ class CoordinatorClient(ThetaDownlink):
     def heartbeat(self, progress: pb.Progress | None = None) -> pb.HeartbeatReply:
         return self._call(
             "heartbeat",
-            lambda: self.stub.Heartbeat(
+            lambda: self.control.Heartbeat(
                 pb.HeartbeatRequest(lease=self.lease, progress=progress),
                 timeout=self.rpc_timeout_s,
             ),
@@ -232,6 +239,8 @@ class CoordinatorClient(ThetaDownlink):
                 raise PushAborted(f"push of round {round_number} {data_unit}: withdrawn")
             if progress["tries"]:
                 probe = self.stub.Push(iter([header()]), timeout=self.rpc_timeout_s)
+                if probe.complete:  # every byte had arrived: the header alone completed it
+                    return probe
                 progress["acked"] = probe.acked_offset
             progress["tries"] += 1
             reply = self.stub.Push(messages(progress["acked"]), timeout=self.transfer_timeout_s)

@@ -250,7 +250,11 @@ def case_corrupted_chunk(site, r, theta):
     m, p = _pack_payload(good_delta(theta, site.name))
     bad = bytearray(p)
     bad[100] ^= 0x40
-    return INVALID, ("SHA-256",), [header(site, r, m), *chunks(bad)]
+    return (
+        grpc.StatusCode.DATA_LOSS,
+        ("SHA-256", "corrupted in flight"),
+        [header(site, r, m), *chunks(bad)],
+    )
 
 
 def case_out_of_order_chunks(site, r, theta):

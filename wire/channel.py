@@ -17,11 +17,17 @@ INSECURE_WARNING = (
 )
 
 
-def open_channel(address: str, bundle: Bundle | None) -> grpc.Channel:
+def open_channel(address: str, bundle: Bundle | None, own_connection: bool = False) -> grpc.Channel:
+    """A channel to ``address``; ``own_connection``: never share its TCP connection with other
+    channels (grpc pools them by default), so small calls on it do not queue behind a bulk
+    transfer on another."""
+    options = channel_options()
+    if own_connection:
+        options.append(("grpc.use_local_subchannel_pool", 1))
     if bundle is None:
-        return grpc.insecure_channel(address, options=channel_options())
+        return grpc.insecure_channel(address, options=options)
     creds = grpc.ssl_channel_credentials(bundle.ca, bundle.key, bundle.cert)
-    return grpc.secure_channel(address, creds, options=channel_options())
+    return grpc.secure_channel(address, creds, options=options)
 
 
 def add_security_flags(parser: argparse.ArgumentParser, who: str) -> None:

@@ -25,6 +25,11 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 0),
+        # Our own backoff (wire/backoff.py) paces retries; grpc's reconnect backoff (default
+        # up to 120 s) would otherwise keep a channel down long after a WAN cut has healed.
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.min_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", 4000),
     ]
 
 

@@ -48,6 +48,7 @@ ALLOWED = frozenset(
         "NOT_FOUND",
         "RESOURCE_EXHAUSTED",
         "UNAVAILABLE",
+        "DATA_LOSS",  # a payload whose SHA-256 does not match: the site sends it again
         # deliberate refusals of the mutual-TLS layer; never expected on the plaintext port
         "UNAUTHENTICATED",
         "PERMISSION_DENIED",

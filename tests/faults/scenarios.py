@@ -1,0 +1,145 @@
+"""The fault matrix: each scenario is a job spec plus a ``drive`` function that injects its
+fault into a running ``Cluster``; ``run_scenario`` runs one and judges it against the
+invariants (and, for deterministic ones, against the crash-free run of the same spec).
+
+Used by the tests in this folder and by ``python -m bench.chaos``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from faults import coordinator_faults as coord
+from faults import link_faults as link
+from faults import site_faults as site
+from faults.cluster import Cluster, JobSpec, RunRecord
+from faults.invariants import Verdict, judge
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A fault and the job it hits.
+
+    Attributes
+    ----------
+    deterministic
+        The fault must not change the model: the final theta equals the crash-free run's and
+        every round counts every site.
+    slow
+        Left out of the quick test run (``pytest -m 'not slow'``).
+    round_after_fault
+        Whether a round must close after the fault (not so when the job ends during a cut).
+    """
+
+    name: str
+    drive: Callable[[Cluster], None]
+    spec: JobSpec = field(default_factory=JobSpec)
+    deterministic: bool = True
+    slow: bool = True
+    faults_env: str = ""
+    round_after_fault: bool = True
+
+
+@dataclass
+class Result:
+    scenario: Scenario
+    record: RunRecord
+    verdict: Verdict
+    seconds: float
+    error: str | None = None  # the drive function's own failure (a missed window, ...)
+
+
+SCENARIOS: list[Scenario] = [
+    Scenario("site killed while fetching", site.kill_while_fetching),
+    Scenario("site killed while training", site.kill_while_training, slow=False),
+    Scenario("site killed while pushing", site.kill_while_pushing),
+    Scenario("site killed while idle", site.kill_while_idle),
+    Scenario("coordinator killed, round open", coord.kill_while_round_open),
+    Scenario("coordinator killed, 1 update spooled", coord.kill_with_one_update_spooled),
+    Scenario(
+        "coordinator killed while aggregating",
+        coord.kill_while_aggregating,
+        JobSpec(close_delay_s=2.0, delay_round=coord.ROUND),
+        slow=False,
+    ),
+    Scenario(
+        "coordinator killed while checkpointing",
+        coord.kill_while_checkpointing,
+        JobSpec(ballast_mib=96),
+    ),
+    Scenario("link cut 30s, lease survives", link.cut_link, JobSpec(lease_ttl_s=60.0)),
+    Scenario(
+        "link cut 30s, lease expires",
+        link.cut_link,
+        JobSpec(lease_ttl_s=6.0, heartbeat_s=0.5, deadline_s=8.0),
+    ),
+    Scenario(
+        "link cut 30s, job ends without the site",
+        link.cut_link,
+        JobSpec(lease_ttl_s=6.0, heartbeat_s=0.5, deadline_s=8.0, min_sites=1, outage_timeout_s=45),
+        deterministic=False,
+        round_after_fault=False,
+    ),
+    Scenario("link 10x slower", link.slow_link),
+    Scenario(
+        "update slower to send than the lease TTL",
+        link.push_outlasts_lease,
+        JobSpec(lease_ttl_s=4.0, heartbeat_s=0.5),
+    ),
+    Scenario("chunk corrupted in flight (TLS)", link.corrupt_push),
+    Scenario(
+        "chunk corrupted in flight (plaintext)",
+        link.corrupt_push,
+        JobSpec(tls=False),
+    ),
+    Scenario("stale token replayed", link.replay_stale_push, slow=False),
+]
+
+_references: dict[tuple, str] = {}
+
+
+def by_name(name: str) -> Scenario:
+    (found,) = [s for s in SCENARIOS if s.name == name]
+    return found
+
+
+def reference_hash(spec: JobSpec, folder: Path) -> str:
+    """theta_{total} of a crash-free run of ``spec`` (run once per model-deciding spec)."""
+    key = spec.model_key()
+    if key not in _references:
+        plain = spec.crash_free()
+        with Cluster(folder, plain) as c:
+            c.start()
+            record = c.finish()
+        verdict = judge(record, all_sites=[f"site-{i}" for i in range(plain.sites)])
+        assert verdict.survived, f"the crash-free run failed: {verdict.problems}\n{c.tails()}"
+        _references[key] = record.final_hash
+    return _references[key]
+
+
+def run_scenario(scenario: Scenario, folder: Path, reference: str | None = None) -> Result:
+    """Run ``scenario`` in ``folder``; ``reference`` is the crash-free final theta hash."""
+    started = time.monotonic()
+    error = None
+    with Cluster(folder, scenario.spec, scenario.faults_env) as c:
+        c.start()
+        try:
+            scenario.drive(c)
+        except Exception as exc:  # judged with the rest: the run still has to finish
+            error = f"{type(exc).__name__}: {exc}"
+        record = c.finish()
+        tails = c.tails()
+    if error:
+        record.problems.append(f"fault injection: {error}")
+    sites = [f"site-{i}" for i in range(scenario.spec.sites)]
+    verdict = judge(
+        record,
+        reference_hash=reference if scenario.deterministic else None,
+        all_sites=sites if scenario.deterministic else None,
+    )
+    if not verdict.survived:
+        verdict.problems.append(f"logs:\n{tails}")
+    return Result(scenario, record, verdict, time.monotonic() - started, error)

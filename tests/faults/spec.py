@@ -1,0 +1,65 @@
+"""The job a fault run trains: a small GPT (examples/gpt_diloco) with DiLoCo, two sites by
+default, short rounds and timeouts scaled so a run takes seconds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from coord_harness import job_config
+
+MODEL_FIELDS = ("sites", "rounds", "inner_steps", "nproc", "checkpoint_every", "min_sites")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a fault run trains; equal specs give the same model in a crash-free run."""
+
+    sites: int = 2
+    rounds: int = 3
+    inner_steps: int = 8
+    nproc: int = 1
+    tls: bool = True
+    lease_ttl_s: float = 20.0
+    heartbeat_s: float = 0.25
+    deadline_s: float = 120.0
+    checkpoint_every: int = 2
+    close_delay_s: float = 0.0  # see faults.slow_strategy: they do not change the model
+    delay_round: int = -1
+    ballast_mib: int = 0
+    outage_timeout_s: float = 300.0
+    min_sites: int | None = None  # None: every site (a round never closes without one)
+
+    def config(self, marker_dir: Path) -> dict:
+        strategy = {"name": "faults.slow_strategy:SlowDiLoCo", "lr": 0.7, "momentum": 0.9}
+        strategy.update(
+            close_delay_s=self.close_delay_s,
+            delay_round=self.delay_round,
+            ballast_mib=self.ballast_mib,
+            marker_dir=str(marker_dir),
+        )
+        return job_config(
+            name="faults",
+            strategy=strategy,
+            model={
+                "factory": "examples.gpt_diloco.model:build_model",
+                "kwargs": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32},
+            },
+            rounds={
+                "total": self.rounds,
+                "inner_steps": self.inner_steps,
+                "min_sites": self.min_sites or self.sites,
+                "max_sites": self.sites,
+                "join_window_s": 30.0,
+                "deadline_s": self.deadline_s,
+            },
+            timeouts={"heartbeat_interval_s": self.heartbeat_s, "lease_ttl_s": self.lease_ttl_s},
+        )
+
+    def model_key(self) -> tuple:
+        """The fields that decide the final model (timing knobs left out)."""
+        return tuple(getattr(self, f) for f in MODEL_FIELDS)
+
+    def crash_free(self) -> JobSpec:
+        """The plain job that trains the same model."""
+        return JobSpec(**{f: getattr(self, f) for f in MODEL_FIELDS})
