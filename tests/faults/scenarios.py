@@ -79,7 +79,7 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "link cut 30s, job ends without the site",
         link.cut_link,
-        JobSpec(lease_ttl_s=6.0, heartbeat_s=0.5, deadline_s=8.0, min_sites=1, outage_timeout_s=45),
+        JobSpec(lease_ttl_s=6.0, heartbeat_s=0.5, deadline_s=8.0, min_sites=1, outage_timeout_s=90),
         deterministic=False,
         round_after_fault=False,
     ),
