@@ -39,6 +39,7 @@ TINY = {"seq_len": 32, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64}
 _WORKER = textwrap.dedent(
     """
     import copy
+    import os
     import sys
     import torch
     import torch.distributed as dist
@@ -88,9 +89,10 @@ _WORKER = textwrap.dedent(
     snap["after"] = get_model_state_dict(model, options=full)
     if rank == 0:
         torch.save(snap, out)
-    # Leave together: a rank tearing gloo down while a peer still talks to it can abort.
+    # Leave together, then skip gloo's teardown: a rank destroying the group while a peer is
+    # still in it can abort ("terminate called without an active exception") on a busy host.
     dist.barrier()
-    dist.destroy_process_group()
+    os._exit(0)
     """
 )
 
