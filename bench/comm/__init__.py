@@ -1,0 +1,1 @@
+"""Pieces of ``python -m bench.comm_efficiency``: the training runs and their report."""
