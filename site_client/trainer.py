@@ -43,6 +43,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,9 +98,30 @@ def _init_process_group(backend: str, attempt: int) -> None:
     After a worker-group restart the launcher's store still holds the previous attempt's
     gloo addresses; a restarted rank that read one would dial a dead trainer and time out.
     """
+    global _STORE
     store, rank, world_size = next(dist.rendezvous("env://"))
-    prefixed = dist.PrefixStore(f"isthmus/attempt-{attempt}", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size)
+    _STORE = dist.PrefixStore(f"isthmus/attempt-{attempt}", store)
+    dist.init_process_group(backend, store=_STORE, rank=rank, world_size=world_size)
+
+
+_STORE: dist.Store | None = None
+
+
+def _leave_together(world_size: int) -> None:
+    """Destroy the process group only once every rank is past its last collective.
+
+    A rank that tears gloo down while a peer is still finishing the final barrier on its
+    sockets aborts that peer ("terminate called without an active exception"): so after the
+    barrier, the ranks also meet on the launcher's store, which needs no gloo socket.
+    """
+    dist.barrier()
+    if _STORE is not None:
+        arrived = _STORE.add("closing", 1)
+        deadline = time.monotonic() + 60
+        while arrived < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+            arrived = _STORE.add("closing", 0)
+    dist.destroy_process_group()
 
 
 class TrainerError(RuntimeError):
@@ -199,8 +221,7 @@ class SiteSession:
         if self.ipc:
             self.ipc.close()
         if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+            _leave_together(self.world_size)
 
     # ---- pieces ---------------------------------------------------------------------------
 
