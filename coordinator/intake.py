@@ -27,7 +27,7 @@ from coordinator.uploads import (
     check_update_manifest,
 )
 from strategies import StrategyError
-from strategies.base import call_hook, checked_weight
+from strategies.base import checked_staleness_weight, checked_weight
 from wire.chunking import ChunkError
 from wire.tensors import Manifest, PayloadError
 
@@ -193,14 +193,7 @@ class UpdateIntake:
             or site in closed["sites"]
         ):
             return 0.0
-        weight = call_hook(self.strategy, "staleness_weight", site, 1)
-        ok = isinstance(weight, int | float) and not isinstance(weight, bool)
-        if not (ok and 0.0 <= weight <= 1.0):
-            raise StrategyError(
-                f"strategy {self.strategy.plugin_name!r} failed in staleness_weight: returned "
-                f"{weight!r}; expected a number in [0, 1]"
-            )
-        return float(weight)
+        return checked_staleness_weight(self.strategy, site, 1)
 
     def _admit(self, site: str, round_number: int) -> None:
         try:

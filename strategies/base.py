@@ -192,6 +192,18 @@ def checked_weight(strategy: Strategy, site: str, reported: float) -> float:
     return float(weight)
 
 
+def checked_staleness_weight(strategy: Strategy, site: str, staleness: int) -> float:
+    """``staleness_weight`` for a late update, refused unless it is a number in [0, 1]."""
+    weight = call_hook(strategy, "staleness_weight", site, staleness)
+    ok = isinstance(weight, int | float) and not isinstance(weight, bool)
+    if not (ok and 0.0 <= weight <= 1.0):
+        raise StrategyError(
+            f"strategy {strategy.plugin_name!r} failed in staleness_weight: returned "
+            f"{weight!r}; expected a number in [0, 1]"
+        )
+    return float(weight)
+
+
 def check_outer_result(strategy: Strategy, theta: Tensors, new: Any) -> Tensors:
     """Refuse an outer_step result that is not theta's names, shapes and dtypes, all finite."""
 
