@@ -22,7 +22,7 @@ import torch
 
 from wire.codecs import CodecError, CodecState, decode_into
 from wire.codecs.rules import CompressionConfig
-from wire.tensors import Manifest, PayloadError, dtype_name, pack_encoded, validate_manifest
+from wire.tensors import Manifest, PayloadError, dtype_name, pack_encoded, validate_payload
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -77,11 +77,7 @@ def apply_delta(
         The payload does not fit ``old`` (names, shapes, dtypes) or does not decode; nothing
         is returned in that case, so the caller still holds a whole theta_r.
     """
-    validate_manifest(manifest)
-    if len(payload) != manifest.total_bytes:
-        raise PayloadError(
-            f"payload has {len(payload)} bytes, the manifest says {manifest.total_bytes}"
-        )
+    validate_payload(manifest, payload)
     entries = manifest.by_name()
     if entries.keys() != old.keys():
         missing, extra = sorted(old.keys() - entries.keys()), sorted(entries.keys() - old.keys())

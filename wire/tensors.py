@@ -245,13 +245,18 @@ def pack_encoded(
     return Manifest(tuple(entries), total, hashlib.sha256(payload).digest()), payload
 
 
-def unpack(manifest: Manifest, payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
-    """Tensors from a verified payload. The tensors share memory with a writable payload."""
+def validate_payload(manifest: Manifest, payload: bytes | bytearray | memoryview) -> None:
+    """Raise ``PayloadError`` unless the manifest is valid and the payload has its length."""
     validate_manifest(manifest)
     if len(payload) != manifest.total_bytes:
         raise PayloadError(
             f"payload has {len(payload)} bytes, the manifest says {manifest.total_bytes}"
         )
+
+
+def unpack(manifest: Manifest, payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Tensors from a verified payload. The tensors share memory with a writable payload."""
+    validate_payload(manifest, payload)
     if not isinstance(payload, bytearray | memoryview) or (
         isinstance(payload, memoryview) and payload.readonly
     ):
