@@ -4,25 +4,18 @@ from __future__ import annotations
 
 import time
 
-from coordinator.config import parse_config
+from core_helpers import core_config
+
 from coordinator.core import CoordinatorCore
 
 
 def _config(tmp_path):
-    data = {
-        "job": {"name": "restart", "state_dir": "state"},
-        "model": {"factory": "torch.nn:Linear", "kwargs": {"in_features": 3, "out_features": 2}},
-        "strategy": {"name": "fedavg"},
-        "rounds": {
-            "total": 3,
-            "inner_steps": 1,
-            "min_sites": 1,
-            "join_window_s": 0.0,
-            "deadline_s": 100.0,
-        },
-        "timeouts": {"heartbeat_interval_s": 1.0, "lease_ttl_s": 10.0},
-    }
-    return parse_config(data, tmp_path)
+    return core_config(
+        tmp_path,
+        job={"name": "restart"},
+        rounds={"total": 3, "min_sites": 1},
+        timeouts={"lease_ttl_s": 10.0},
+    )
 
 
 def test_the_round_deadline_survives_a_restart(tmp_path, monkeypatch):
