@@ -11,29 +11,25 @@ No clock, no I/O: the coordinator persists ``to_dict()`` with its checkpoint and
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from wire.data_units import UnitError, parse_unit
+from wire.data_units import unit_id as unit_id
+
 FORMAT_VERSION = 1
-_UNIT = re.compile(r"u(0|[1-9][0-9]*)")
 
 
 class LedgerError(ValueError):
     """A request or a saved ledger the ledger refuses; the message names unit, round and site."""
 
 
-def unit_id(k: int) -> str:
-    """The id of unit ``k`` of the data stream."""
-    return f"u{k}"
-
-
 def unit_index(unit: str) -> int:
     """The stream index ``k`` of unit id ``"u<k>"``; ``LedgerError`` for anything else."""
-    match = _UNIT.fullmatch(unit) if isinstance(unit, str) else None
-    if match is None:
-        raise LedgerError(f"malformed data unit id {unit!r}; expected 'u<k>' with k >= 0")
-    return int(match.group(1))
+    try:
+        return parse_unit(unit)
+    except UnitError as exc:
+        raise LedgerError(str(exc)) from None
 
 
 @dataclass

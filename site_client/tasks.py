@@ -15,13 +15,12 @@ under its condition variable and does the file and network work around it.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
+from wire.data_units import UnitError, parse_unit, unit_id
 from wire.proto import isthmus_pb2 as pb
 
 Task = tuple[int, str]
-_UNIT = re.compile(r"u(0|[1-9][0-9]{0,17})")  # k fits the int64 the trainers broadcast
 
 
 def unit_index(unit: str) -> int | None:
@@ -34,15 +33,15 @@ def unit_index(unit: str) -> int | None:
     """
     if unit == "":
         return None
-    match = _UNIT.fullmatch(unit)
-    if match is None:
-        raise ValueError(f"malformed data unit {unit!r}; expected 'u<k>' with k >= 0")
-    return int(match.group(1))
+    try:
+        return parse_unit(unit)
+    except UnitError:
+        raise ValueError(f"malformed data unit {unit!r}; expected 'u<k>' with k >= 0") from None
 
 
 def unit_name(index: int | None) -> str:
     """Inverse of :func:`unit_index`; a negative index or ``None`` means no unit."""
-    return "" if index is None or index < 0 else f"u{index}"
+    return "" if index is None or index < 0 else unit_id(index)
 
 
 def task_of(info: pb.RoundInfo | None) -> Task | None:

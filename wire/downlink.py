@@ -54,66 +54,103 @@ def encode_delta(
         raise ValueError(
             f"theta changed its tensors: {sorted(old.keys() ^ new.keys())} added or removed"
         )
-    parts: dict[str, torch.Tensor] = {}
-    for name in sorted(old):
+    for name in old:
         a, b = old[name], new[name]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise ValueError(f"{name}: theta changed shape or dtype ({a.shape} -> {b.shape})")
-        if a.is_floating_point():
-            parts[name] = b.detach().to(torch.float32) - a.detach().to(torch.float32)
-        else:
-            parts[name] = b.detach()
-    return pack_encoded(parts, config, state)
+    return pack_encoded(_Deltas(old, new), config, state)
+
+
+class _Deltas:
+    """``new - old`` tensor by tensor, in name order, made only when asked for: encoding the
+    delta never holds more than one of them."""
+
+    def __init__(self, old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
+        self.old, self.new = old, new
+
+    def items(self):
+        for name in sorted(self.old):
+            a, b = self.old[name], self.new[name]
+            if a.is_floating_point():
+                yield name, b.detach().to(torch.float32) - a.detach().to(torch.float32)
+            else:
+                yield name, b.detach()
 
 
 def apply_delta(
-    old: Mapping[str, torch.Tensor], manifest: Manifest, payload: BytesLike
+    old: Mapping[str, torch.Tensor],
+    manifest: Manifest,
+    payload: BytesLike,
+    out: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """theta_{r+1} from theta_r and a downlink payload; ``old`` is not modified.
+
+    With ``out`` (tensors shaped like ``old``, e.g. views of the file or buffer theta_{r+1}
+    goes to) the result is written there, else into new tensors. ``out`` may be the very
+    tensors the delta was encoded from. Names, shapes and dtypes are checked before anything
+    is written; a tensor whose codec data fails to decode leaves ``out`` partly written.
 
     Raises
     ------
     PayloadError
-        The payload does not fit ``old`` (names, shapes, dtypes) or does not decode; nothing
-        is returned in that case, so the caller still holds a whole theta_r.
+        The payload does not fit ``old`` (names, shapes, dtypes) or does not decode; ``old``
+        is untouched, so the caller still holds a whole theta_r.
     """
     validate_payload(manifest, payload)
     entries = manifest.by_name()
     if entries.keys() != old.keys():
         missing, extra = sorted(old.keys() - entries.keys()), sorted(entries.keys() - old.keys())
         raise PayloadError(f"delta does not fit theta: missing {missing}, unexpected {extra}")
-    buf = payload if isinstance(payload, bytearray) else bytearray(payload)
-    out: dict[str, torch.Tensor] = {}
+    for name in sorted(old):
+        _check_entry(name, entries[name], old[name])
+    writable = isinstance(payload, bytearray) or (
+        isinstance(payload, memoryview) and not payload.readonly
+    )
+    buf = payload if writable else bytearray(payload)
+    result: dict[str, torch.Tensor] = {}
     for name in sorted(old):
         e, held = entries[name], old[name]
-        if tuple(e.shape) != tuple(held.shape):
-            raise PayloadError(f"{name}: delta shape {list(e.shape)}, theta has {list(held.shape)}")
-        want = "float32" if held.is_floating_point() else dtype_name(held.dtype)
-        if e.dtype != want:
-            raise PayloadError(f"{name}: delta dtype {e.dtype}, expected {want}")
-        if not held.is_floating_point() and e.codec != "none":
-            raise PayloadError(f"{name}: a {want} tensor must travel whole (codec none)")
-        if held.numel() == 0:
-            out[name] = held.detach().clone()
-            continue
+        target = out[name] if out is not None else torch.empty_like(held)
         raw = (
             torch.frombuffer(buf, dtype=torch.uint8, count=e.nbytes, offset=e.offset)
             if e.nbytes
             else torch.empty(0, dtype=torch.uint8)
         )
-        if not held.is_floating_point():
-            out[name] = raw.view(held.dtype).reshape(held.shape).clone()
-            continue
-        acc = held.detach().to(torch.float32).contiguous().clone()
-        if e.codec == "none":
-            acc.view(-1).add_(raw.view(torch.float32))
-        else:
-            try:
-                decode_into(acc, raw, e.codec_meta, codec=e.codec, name=name)
-            except CodecError as exc:
-                raise PayloadError(str(exc)) from exc
-        out[name] = acc.to(held.dtype)
-    return out
+        _apply_one(name, e, held, raw, target)
+        result[name] = target
+    return result
+
+
+def _check_entry(name: str, e, held: torch.Tensor) -> None:
+    if tuple(e.shape) != tuple(held.shape) or e.is_piece:
+        raise PayloadError(f"{name}: delta shape {list(e.shape)}, theta has {list(held.shape)}")
+    want = "float32" if held.is_floating_point() else dtype_name(held.dtype)
+    if e.dtype != want:
+        raise PayloadError(f"{name}: delta dtype {e.dtype}, expected {want}")
+    if not held.is_floating_point() and e.codec != "none":
+        raise PayloadError(f"{name}: a {want} tensor must travel whole (codec none)")
+
+
+def _apply_one(name: str, e, held: torch.Tensor, raw: torch.Tensor, target: torch.Tensor):
+    """``target = held + delta`` (one IEEE add per element, in float32)."""
+    if held.numel() == 0:
+        return
+    if not held.is_floating_point():
+        target.copy_(raw.view(held.dtype).reshape(held.shape))
+        return
+    f32 = target.dtype == torch.float32 and target.is_contiguous()
+    acc = target if f32 else torch.empty(held.shape, dtype=torch.float32)
+    if acc.data_ptr() != held.data_ptr():
+        acc.copy_(held)
+    if e.codec == "none":
+        acc.view(-1).add_(raw.view(torch.float32))
+    else:
+        try:
+            decode_into(acc, raw, e.codec_meta, codec=e.codec, name=name)
+        except CodecError as exc:
+            raise PayloadError(str(exc)) from exc
+    if not f32:
+        target.copy_(acc)
 
 
 def differing(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> list[str]:

@@ -51,6 +51,13 @@ class PayloadError(ValueError):
 
 @dataclass(frozen=True)
 class TensorEntry:
+    """One tensor of a payload, or one piece of a tensor.
+
+    A piece (``global_shape`` set) is the box of the tensor ``name`` of shape ``global_shape``
+    that starts at ``box_offset`` (one index per dimension) and has shape ``shape``: a trainer
+    rank's shard of a sharded parameter, for instance. Empty ``global_shape``: the whole tensor.
+    """
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -58,6 +65,8 @@ class TensorEntry:
     nbytes: int
     codec: str = "none"
     codec_meta: bytes = b""
+    global_shape: tuple[int, ...] = ()
+    box_offset: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -65,6 +74,33 @@ class TensorEntry:
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def end(self) -> int:
+        """Where this entry's bytes end in the payload."""
+        return self.offset + self.nbytes
+
+    @property
+    def is_piece(self) -> bool:
+        return bool(self.global_shape)
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The shape of the whole tensor this entry is (a piece of)."""
+        return self.global_shape or self.shape
+
+    def box(self) -> tuple[slice, ...]:
+        """Where this entry lies in the whole tensor, as index slices."""
+        if not self.is_piece:
+            return tuple(slice(0, d) for d in self.shape)
+        return tuple(slice(o, o + d) for o, d in zip(self.box_offset, self.shape, strict=True))
+
+    @property
+    def label(self) -> str:
+        """The entry's name, with its box for a piece (for messages and codec state keys)."""
+        if not self.is_piece:
+            return self.name
+        return f"{self.name}[{','.join(map(str, self.box_offset))}]"
 
 
 @dataclass(frozen=True)
@@ -84,6 +120,8 @@ class Manifest:
                     offset=e.offset,
                     nbytes=e.nbytes,
                     codec_meta=e.codec_meta,
+                    global_shape=list(e.global_shape),
+                    box_offset=list(e.box_offset),
                 )
                 for e in self.entries
             ],
@@ -105,6 +143,8 @@ class Manifest:
                 nbytes=int(t.nbytes),
                 codec=t.codec,
                 codec_meta=bytes(t.codec_meta),
+                global_shape=tuple(int(d) for d in t.global_shape),
+                box_offset=tuple(int(d) for d in t.box_offset),
             )
             for t in msg.tensors
         )
@@ -113,7 +153,15 @@ class Manifest:
         return manifest
 
     def by_name(self) -> dict[str, TensorEntry]:
+        """Entries by tensor name (for payloads of whole tensors: one entry per name)."""
         return {e.name: e for e in self.entries}
+
+    def pieces(self) -> dict[str, list[TensorEntry]]:
+        """Entries grouped by tensor name, each group in box order."""
+        out: dict[str, list[TensorEntry]] = {}
+        for e in sorted(self.entries, key=lambda e: (e.name, e.box_offset)):
+            out.setdefault(e.name, []).append(e)
+        return out
 
 
 def _aligned(n: int) -> int:
@@ -137,15 +185,16 @@ def validate_manifest(manifest: Manifest, max_total_bytes: int | None = None) ->
         raise PayloadError(
             f"payload of {manifest.total_bytes} bytes exceeds the limit of {max_total_bytes}"
         )
-    seen: set[str] = set()
+    seen: set[tuple[str, tuple[int, ...]]] = set()
     end_of_previous = 0
     # Empty tensors first at a shared offset: a 0-byte tensor may sit where the next one starts.
     for e in sorted(manifest.entries, key=lambda e: (e.offset, e.nbytes)):
         if not e.name or len(e.name) > MAX_TENSOR_NAME or not e.name.isprintable():
             raise PayloadError(f"tensor name {e.name[:60]!r} is empty, too long or unprintable")
-        if e.name in seen:
-            raise PayloadError(f"tensor {e.name!r} appears twice in the manifest")
-        seen.add(e.name)
+        _check_box(e)
+        if (e.name, e.box_offset) in seen:
+            raise PayloadError(f"tensor {e.label!r} appears twice in the manifest")
+        seen.add((e.name, e.box_offset))
         if e.dtype not in DTYPES:
             raise PayloadError(f"tensor {e.name!r} has unknown dtype {e.dtype[:40]!r}")
         if e.codec not in CODECS:
@@ -171,6 +220,24 @@ def validate_manifest(manifest: Manifest, max_total_bytes: int | None = None) ->
                 f"past the payload's {manifest.total_bytes} bytes"
             )
         end_of_previous = e.offset + e.nbytes
+
+
+def _check_box(e: TensorEntry) -> None:
+    """A piece's box must lie inside its whole tensor, one offset per dimension."""
+    if not e.global_shape and not e.box_offset:
+        return
+    dims = len(e.shape)
+    if len(e.global_shape) != dims or len(e.box_offset) != dims:
+        raise PayloadError(
+            f"tensor {e.name[:60]!r}: a piece needs one global size and one offset per "
+            f"dimension of its shape {list(e.shape[:8])}"
+        )
+    for o, d, g in zip(e.box_offset, e.shape, e.global_shape, strict=True):
+        if o < 0 or g < 0 or o + d > g:
+            raise PayloadError(
+                f"tensor {e.name[:60]!r}: piece at {list(e.box_offset[:8])} of shape "
+                f"{list(e.shape[:8])} lies outside the tensor's shape {list(e.global_shape[:8])}"
+            )
 
 
 def _check_codec_meta(e: TensorEntry) -> None:
@@ -217,32 +284,34 @@ def pack_encoded(
     """Like ``pack``, each tensor encoded by the codec ``config`` picks for it.
 
     Error-feedback codecs update their residual in ``state``; tensors whose codec is ``none``
-    travel as raw bytes, exactly as ``pack`` lays them out.
+    travel as raw bytes, exactly as ``pack`` lays them out. ``tensors`` may be any object with
+    ``items()``, e.g. one that makes each tensor on demand: an encoded tensor is not kept once
+    its bytes are.
     """
-    parts: list[tuple[str, torch.Tensor, str, bytes, str]] = []
+    parts: list[tuple[TensorEntry, torch.Tensor]] = []
+    offset = 0
     for name, t in tensors.items():
         codec = choose_codec(name, t, config)
         if codec.name == "none":
-            raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            parts.append((name, t, "none", b"", raw))
+            codec_name, meta = "none", b""
+            data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         else:
             enc = state.encode(name, t, codec)
-            parts.append((name, t, enc.codec, enc.meta, enc.data))
-    entries, offset = [], 0
-    for name, t, codec, meta, data in parts:
-        entries.append(
-            TensorEntry(
-                name, dtype_name(t.dtype), tuple(t.shape), offset, data.numel(), codec, meta
-            )
+            codec_name, meta, data = enc.codec, enc.meta, enc.data
+        entry = TensorEntry(
+            name, dtype_name(t.dtype), tuple(t.shape), offset, data.numel(), codec_name, meta
         )
+        parts.append((entry, data))
         offset = _aligned(offset + data.numel())
-    total = entries[-1].offset + entries[-1].nbytes if entries else 0
+        del t
+    total = parts[-1][0].offset + parts[-1][0].nbytes if parts else 0
     buf = torch.zeros(total, dtype=torch.uint8)
-    for e, (*_, data) in zip(entries, parts, strict=True):
+    for e, data in parts:
         if e.nbytes:
             buf[e.offset : e.offset + e.nbytes].copy_(data)
+    entries = tuple(e for e, _ in parts)
     payload = memoryview(buf.numpy()).cast("B")
-    return Manifest(tuple(entries), total, hashlib.sha256(payload).digest()), payload
+    return Manifest(entries, total, hashlib.sha256(payload).digest()), payload
 
 
 def validate_payload(manifest: Manifest, payload: bytes | bytearray | memoryview) -> None:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "codec", "offset", "nbytes", "codec_meta")
+    __slots__ = ("name", "dtype", "shape", "codec", "offset", "nbytes", "codec_meta", "global_shape", "box_offset")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,8 @@ class TensorSpec(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CODEC_META_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BOX_OFFSET_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -22,7 +24,9 @@ class TensorSpec(_message.Message):
     offset: int
     nbytes: int
     codec_meta: bytes
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., codec_meta: _Optional[bytes] = ...) -> None: ...
+    global_shape: _containers.RepeatedScalarFieldContainer[int]
+    box_offset: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., codec_meta: _Optional[bytes] = ..., global_shape: _Optional[_Iterable[int]] = ..., box_offset: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Manifest(_message.Message):
     __slots__ = ("tensors", "total_bytes", "sha256")
@@ -149,6 +153,24 @@ class HeartbeatReply(_message.Message):
     round: RoundInfo
     commands: _containers.RepeatedCompositeFieldContainer[Command]
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ...) -> None: ...
+
+class WaitRoundRequest(_message.Message):
+    __slots__ = ("lease", "known", "timeout_s")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    known: RoundInfo
+    timeout_s: float
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., known: _Optional[_Union[RoundInfo, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WaitRoundReply(_message.Message):
+    __slots__ = ("round", "commands")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    round: RoundInfo
+    commands: _containers.RepeatedCompositeFieldContainer[Command]
+    def __init__(self, round: _Optional[_Union[RoundInfo, _Mapping]] = ..., commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("lease", "version", "from_version", "offset")

@@ -44,6 +44,11 @@ class CoordinatorStub:
                 request_serializer=wire_dot_proto_dot_isthmus__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=wire_dot_proto_dot_isthmus__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.WaitRound = channel.unary_unary(
+                '/isthmus.v1.Coordinator/WaitRound',
+                request_serializer=wire_dot_proto_dot_isthmus__pb2.WaitRoundRequest.SerializeToString,
+                response_deserializer=wire_dot_proto_dot_isthmus__pb2.WaitRoundReply.FromString,
+                _registered_method=True)
         self.Fetch = channel.unary_stream(
                 '/isthmus.v1.Coordinator/Fetch',
                 request_serializer=wire_dot_proto_dot_isthmus__pb2.FetchRequest.SerializeToString,
@@ -76,6 +81,12 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitRound(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,6 +128,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=wire_dot_proto_dot_isthmus__pb2.HeartbeatRequest.FromString,
                     response_serializer=wire_dot_proto_dot_isthmus__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'WaitRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitRound,
+                    request_deserializer=wire_dot_proto_dot_isthmus__pb2.WaitRoundRequest.FromString,
+                    response_serializer=wire_dot_proto_dot_isthmus__pb2.WaitRoundReply.SerializeToString,
             ),
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
@@ -193,6 +209,33 @@ class Coordinator:
             '/isthmus.v1.Coordinator/Heartbeat',
             wire_dot_proto_dot_isthmus__pb2.HeartbeatRequest.SerializeToString,
             wire_dot_proto_dot_isthmus__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Coordinator/WaitRound',
+            wire_dot_proto_dot_isthmus__pb2.WaitRoundRequest.SerializeToString,
+            wire_dot_proto_dot_isthmus__pb2.WaitRoundReply.FromString,
             options,
             channel_credentials,
             insecure,

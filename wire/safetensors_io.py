@@ -1,0 +1,195 @@
+"""safetensors files written and read in place: no pickle, and no copy of the tensors.
+
+``safetensors.torch.save_file`` turns every tensor into a ``bytes`` object before writing (one
+extra model in memory), and ``load_file`` copies every tensor out of the file. For model-sized
+files on the round's critical path (theta handed to the trainers, their update shards handed
+back, coordinator checkpoints) this module writes each tensor's bytes straight from its memory
+and maps files back as tensor views of the page cache.
+
+The files are ordinary safetensors (``safetensors.torch.load_file`` reads them): an 8-byte
+little-endian header length, a JSON header padded with spaces to a multiple of 8, then the tensors'
+bytes back to back. Tensors are laid out in :func:`canonical_order` (larger elements first), so
+every tensor starts aligned to its element size and can be viewed where it lies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from wire.tensors import (
+    DTYPES,
+    Manifest,
+    PayloadError,
+    TensorEntry,
+    dtype_name,
+    validate_manifest,
+)
+
+ST_NAMES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+_FROM_ST = {v: k for k, v in ST_NAMES.items()}
+MAX_HEADER_BYTES = 100 << 20
+
+
+def canonical_order(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names by element size, largest first, then by name: every offset stays aligned."""
+    return sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+
+
+def contiguous_manifest(tensors: Mapping[str, torch.Tensor], order: Iterable[str]) -> Manifest:
+    """The layout of ``tensors`` back to back in ``order`` (no SHA-256 yet)."""
+    entries, offset = [], 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        entries.append(TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+        offset += nbytes
+    return Manifest(tuple(entries), offset)
+
+
+def header_bytes(manifest: Manifest, metadata: Mapping[str, str] | None = None) -> bytes:
+    """The safetensors header (length prefix included) of a contiguous ``manifest``."""
+    table: dict[str, object] = {}
+    end = 0
+    for e in sorted(manifest.entries, key=lambda e: e.offset):
+        if e.offset != end or e.codec != "none":
+            raise PayloadError(f"tensor {e.name!r}: safetensors holds raw tensors back to back")
+        end = e.offset + e.nbytes
+        table[e.name] = {
+            "dtype": ST_NAMES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [e.offset, end],
+        }
+    if metadata:
+        table["__metadata__"] = dict(metadata)
+    text = json.dumps(table, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def write_tensors(
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    fsync: bool = True,
+) -> Manifest:
+    """Write ``tensors`` as a safetensors file at ``path`` (in canonical order); returns the
+    layout of the data section."""
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    manifest = contiguous_manifest(tensors, canonical_order(tensors))
+    with open(path, "wb") as f:
+        f.write(header_bytes(manifest, metadata))
+        for e in manifest.entries:
+            f.write(tensor_bytes(tensors[e.name]))
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    return manifest
+
+
+@dataclass
+class MappedTensors:
+    """A safetensors file mapped into memory: ``tensors`` are views of its pages."""
+
+    path: Path
+    manifest: Manifest
+    data_start: int
+    metadata: dict[str, str]
+    tensors: dict[str, torch.Tensor]
+    array: np.memmap | None
+
+    def payload(self) -> memoryview:
+        """The data section (every tensor's bytes, in layout order)."""
+        if self.array is None:
+            return memoryview(b"")
+        return memoryview(self.array[self.data_start :]).cast("B")
+
+    def flush(self) -> None:
+        if self.array is not None:
+            self.array.flush()
+
+
+def read_header(path: Path) -> tuple[Manifest, int, dict[str, str]]:
+    """Layout, data offset and metadata of a safetensors file; ``PayloadError`` if it is not
+    one (checked like any manifest from a peer)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = os.fstat(f.fileno()).st_size
+        if len(head) < 8:
+            raise PayloadError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", head)
+        if not 0 < n <= MAX_HEADER_BYTES or 8 + n > size:
+            raise PayloadError(f"{path}: not a safetensors file (header length {n})")
+        try:
+            table = json.loads(f.read(n))
+        except ValueError as exc:
+            raise PayloadError(f"{path}: unreadable safetensors header: {exc}") from None
+    if not isinstance(table, dict):
+        raise PayloadError(f"{path}: the safetensors header is not an object")
+    metadata = table.pop("__metadata__", None) or {}
+    entries = []
+    try:
+        for name, spec in table.items():
+            start, end = (int(x) for x in spec["data_offsets"])
+            dtype = _FROM_ST[spec["dtype"]]
+            shape = tuple(int(d) for d in spec["shape"])
+            entries.append(TensorEntry(name, dtype, shape, start, end - start))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PayloadError(f"{path}: bad safetensors entry: {exc!r}") from None
+    manifest = Manifest(tuple(sorted(entries, key=lambda e: e.offset)), size - 8 - n, b"\0" * 32)
+    validate_manifest(manifest)
+    return manifest, 8 + n, {str(k): str(v) for k, v in dict(metadata).items()}
+
+
+def map_tensors(path: Path, writable: bool = False) -> MappedTensors:
+    """Map a safetensors file; with ``writable`` the views write through to the file, else
+    they are copy-on-write (reading shares the page cache; nothing reaches the file)."""
+    path = Path(path)
+    manifest, start, metadata = read_header(path)
+    total = start + manifest.total_bytes
+    array = np.memmap(path, dtype=np.uint8, mode="r+" if writable else "c") if total else None
+    tensors = {}
+    for e in manifest.entries:
+        if e.nbytes == 0:
+            tensors[e.name] = torch.empty(e.shape, dtype=DTYPES[e.dtype])
+            continue
+        raw = torch.from_numpy(array[start + e.offset : start + e.offset + e.nbytes])
+        tensors[e.name] = raw.view(DTYPES[e.dtype]).reshape(e.shape)
+    return MappedTensors(path, manifest, start, metadata, tensors, array)
+
+
+def create_mapped(
+    path: Path, manifest: Manifest, metadata: Mapping[str, str] | None = None
+) -> MappedTensors:
+    """A new file laid out as ``manifest`` (contiguous), mapped for writing its tensors."""
+    path = Path(path)
+    head = header_bytes(manifest, metadata)
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + manifest.total_bytes)
+    return map_tensors(path, writable=True)
