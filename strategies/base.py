@@ -43,12 +43,21 @@ class SiteUpdate:
         Returns ``(name, tensor)`` pairs: zero-copy (memory-mapped) views in the wire dtype.
     scale
         Factor applied on reading (below 1 when ``aggregation.clip_norm`` clipped the update).
+    key
+        Unique within the round; the key of ``Aggregate.weights`` and of rejections. It is the
+        site's name in federated mode, ``site@unit`` in shared-data mode (where one site may
+        commit two units in a round) and ``site@lateR`` for a late update of round R.
     """
 
     site: str
     weight: float
     reader: Callable[[], Iterable[tuple[str, torch.Tensor]]]
     scale: float = 1.0
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            object.__setattr__(self, "key", self.site)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, float32 tensor)`` one tensor at a time, with ``scale`` applied."""
@@ -74,7 +83,8 @@ class Aggregate:
     total_weight
         ``sum_i w_i`` over the counted updates.
     weights
-        The weight each counted update (keyed by site) received.
+        The weight each counted update received, keyed by ``SiteUpdate.key`` (the site's name
+        in federated mode).
     round
         The round these updates belong to.
     updates
@@ -83,7 +93,7 @@ class Aggregate:
     rejected
         Updates of this round the robust aggregation refused, with the reason.
     metrics
-        What each counted site reported for this round (``train_loss`` when it did).
+        What each counted site reported for this round (``train_loss`` when it did), by site.
     """
 
     mean_delta: Tensors
@@ -124,6 +134,16 @@ class Strategy(ABC):
         else 0."""
         return float(getattr(self.config, "late_discount", 0.0)) ** staleness
 
+    def outer_step_in_place(self, theta: Tensors, aggregate: Aggregate) -> Tensors | None:
+        """Optional, to save memory at large model sizes: ``outer_step``, allowed to write
+        theta_{r+1} into the tensors of ``aggregate.mean_delta`` (the coordinator no longer
+        needs them) and to update the strategy's own state in place. It must give the same
+        bits as ``outer_step``. Return None (the default) to have ``outer_step`` called.
+
+        A failure here stops the job, which restarts from the last checkpoint, so in-memory
+        state need not survive a failed step."""
+        return None
+
     @abstractmethod
     def outer_step(self, theta: Tensors, aggregate: Aggregate) -> Tensors:
         """Return theta_{r+1}. Must not modify ``theta`` in place: the coordinator keeps
@@ -152,6 +172,26 @@ class Strategy(ABC):
 
     def describe(self) -> str:
         return f"{type(self).__name__}({self.config})"
+
+
+def steps_in_place(strategy: Strategy) -> bool:
+    """Whether ``outer_step_in_place`` stands for this strategy's ``outer_step``: not when a
+    subclass overrode ``outer_step`` alone (its own step must run)."""
+
+    def owner(hook: str) -> type:
+        return next(c for c in type(strategy).__mro__ if hook in vars(c))
+
+    in_place, step = owner("outer_step_in_place"), owner("outer_step")
+    return in_place is not Strategy and issubclass(in_place, step)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a floating tensor holds no NaN or Inf (min and max are NaN-propagating, and
+    an order of magnitude faster than ``isfinite(t).all()``)."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t.detach().reshape(-1))
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 def float32_bytes(like: Mapping[str, torch.Tensor]) -> int:
@@ -225,7 +265,7 @@ def check_outer_result(strategy: Strategy, theta: Tensors, new: Any) -> Tensors:
             raise bad(
                 f"{name!r} as {t.dtype} {tuple(t.shape)}; theta has {old.dtype} {tuple(old.shape)}"
             )
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and not all_finite(t):
             raise bad(f"NaN or Inf in {name!r}")
     return dict(new)
 

@@ -54,6 +54,11 @@ class DiLoCo(Strategy):
             theta, aggregate.mean_delta, self.config.lr, self.config.momentum, self.config.nesterov
         )
 
+    def outer_step_in_place(self, theta: Tensors, aggregate: Aggregate) -> Tensors:
+        return self.outer.step_in_place(
+            theta, aggregate.mean_delta, self.config.lr, self.config.momentum, self.config.nesterov
+        )
+
     def state_dict(self) -> Tensors:
         return self.outer.state_dict()
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from strategies.base import Aggregate, Strategy, Tensors, apply_in_float32
 
 
@@ -32,6 +34,17 @@ class FedAvg(Strategy):
 
     def __init__(self, config: FedAvgConfig | None = None) -> None:
         super().__init__(config or FedAvgConfig())
+
+    def outer_step_in_place(self, theta: Tensors, aggregate: Aggregate) -> Tensors:
+        """theta - lr * delta written over delta (same operations as ``outer_step``)."""
+        lr = self.config.server_lr
+        out = dict(theta)
+        for name, delta in aggregate.mean_delta.items():
+            if theta[name].dtype == torch.float32 and delta.dtype == torch.float32:
+                out[name] = torch.sub(theta[name], delta.mul_(lr), out=delta)
+            else:
+                out[name] = apply_in_float32(theta[name], lr * delta)
+        return out
 
     def outer_step(self, theta: Tensors, aggregate: Aggregate) -> Tensors:
         lr = self.config.server_lr

@@ -62,6 +62,15 @@ class FedAvgM(Strategy):
             self.config.nesterov,
         )
 
+    def outer_step_in_place(self, theta: Tensors, aggregate: Aggregate) -> Tensors:
+        return self.outer.step_in_place(
+            theta,
+            aggregate.mean_delta,
+            self.config.server_learning_rate,
+            self.config.server_momentum,
+            self.config.nesterov,
+        )
+
     def state_dict(self) -> Tensors:
         return self.outer.state_dict()
 

@@ -133,7 +133,7 @@ class FlowerStrategy(Strategy):
                 num_examples=count,
                 metrics=metrics,
             )
-            results.append((site_proxy(update.site), fit))
+            results.append((site_proxy(update.key), fit))
         losses = [m["train_loss"] for m in aggregate.metrics.values() if "train_loss" in m]
         self._loss = float(np.mean(losses)) if losses else 1.0
         before = dict(vars(self.flower))

@@ -24,7 +24,7 @@ checked against ``max_buffer_bytes`` at start-up for ``rounds.max_sites`` sites.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -35,6 +35,7 @@ from strategies.base import (
     Strategy,
     StrategyError,
     Tensors,
+    all_finite,
     call_hook,
     check_outer_result,
     float32_bytes,
@@ -51,7 +52,7 @@ def weighted_mean_of(updates: Sequence[SiteUpdate], like: Tensors) -> tuple[Tens
     """``sum_i w_i delta_i / sum_i w_i`` in float32, summed in site-name order."""
     acc = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in like.items()}
     total = 0.0
-    for update in sorted(updates, key=lambda u: u.site):
+    for update in sorted(updates, key=lambda u: u.key):
         alpha = update.weight * update.scale
         for name, delta in update.reader():
             acc[name].add_(delta.to(torch.float32), alpha=alpha)
@@ -72,15 +73,20 @@ class Outcome:
     clipped: dict[str, float] = field(default_factory=dict)  # site -> norm before clipping
 
 
-def _scan(update: SiteUpdate) -> tuple[float, str | None]:
-    """(L2 norm over all tensors, name of the first tensor holding NaN/Inf or None)."""
+def norm_of(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[float, str | None]:
+    """(L2 norm over all tensors, name of the first tensor holding NaN/Inf or None); the
+    coordinator measures each arriving update with it when ``clip_norm`` is set."""
     sq = 0.0
-    for name, t in update.reader():
+    for name, t in tensors:
         t = t.to(torch.float32)
-        if not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             return math.nan, name
         sq += float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
     return math.sqrt(sq), None
+
+
+def _scan(update: SiteUpdate) -> tuple[float, str | None]:
+    return norm_of(update.reader())
 
 
 def _median(values: list[float]) -> float:
@@ -134,6 +140,17 @@ class RobustAggregator:
             cfg.method, cfg.trim_fraction, cfg.clip_norm, cfg.outlier_zscore, cfg.max_buffer_bytes
         )
 
+    def streams(self, strategy: Strategy) -> bool:
+        """Whether updates can be summed as they arrive: the weighted mean, each update on its
+        own (clipping needs only its own norm), a strategy that takes the mean."""
+        return self.method == "mean" and not self.outlier_zscore and not strategy.needs_updates
+
+    def clip_scale(self, norm: float | None) -> float:
+        """The factor ``clip_norm`` puts on an update of L2 norm ``norm``."""
+        if not self.clip_norm or norm is None or norm <= self.clip_norm:
+            return 1.0
+        return self.clip_norm / norm
+
     def describe(self) -> str:
         parts = [self.method]
         if self.method == "trimmed_mean":
@@ -184,7 +201,7 @@ class RobustAggregator:
         needs_updates: bool = False,
         metrics: Mapping[str, Mapping[str, float]] | None = None,
     ) -> Outcome:
-        updates = sorted(updates, key=lambda u: u.site)
+        updates = sorted(updates, key=lambda u: u.key)
         rejected: dict[str, str] = {}
         clipped: dict[str, float] = {}
         if self.clip_norm or self.outlier_zscore or self.method != "mean":
@@ -192,33 +209,33 @@ class RobustAggregator:
             for u in updates:
                 norm, bad = _scan(u)
                 if bad is not None:
-                    rejected[u.site] = f"NaN or Inf values in tensor {bad!r}"
+                    rejected[u.key] = f"NaN or Inf values in tensor {bad!r}"
                 else:
-                    norms[u.site] = norm
+                    norms[u.key] = norm
             if self.outlier_zscore and len(norms) >= 3:
                 rejected.update(_outliers(norms, self.outlier_zscore))
             kept = []
             for u in updates:
-                if u.site in rejected:
+                if u.key in rejected:
                     continue
-                if self.clip_norm and norms[u.site] > self.clip_norm:
-                    clipped[u.site] = norms[u.site]
-                    u = replace(u, scale=self.clip_norm / norms[u.site])
+                if self.clip_norm and norms[u.key] > self.clip_norm:
+                    clipped[u.key] = norms[u.key]
+                    u = replace(u, scale=self.clip_norm / norms[u.key])
                 kept.append(u)
             updates = kept
         if updates and self.method == "mean":
             combined, total = weighted_mean_of(updates, like)
-            if not all(bool(torch.isfinite(t).all()) for t in combined.values()):
+            if not all(all_finite(t) for t in combined.values()):
                 # NaN/Inf slipped in unscreened (or the sum overflowed): find culprits, redo.
                 for u in updates:
                     _, bad = _scan(u)
                     if bad is not None:
-                        rejected[u.site] = f"NaN or Inf values in tensor {bad!r}"
-                updates = [u for u in updates if u.site not in rejected]
+                        rejected[u.key] = f"NaN or Inf values in tensor {bad!r}"
+                updates = [u for u in updates if u.key not in rejected]
                 if not updates:
                     return Outcome(None, rejected, clipped)
                 combined, total = weighted_mean_of(updates, like)
-                if not all(bool(torch.isfinite(t).all()) for t in combined.values()):
+                if not all(all_finite(t) for t in combined.values()):
                     raise AggregationError(
                         f"round {round}: the weighted mean overflows float32; set "
                         "aggregation.clip_norm to bound the updates"
@@ -230,7 +247,7 @@ class RobustAggregator:
         agg = Aggregate(
             combined,
             total,
-            {u.site: u.weight for u in updates},
+            {u.key: u.weight for u in updates},
             round,
             tuple(updates) if needs_updates else (),
             dict(rejected),
