@@ -1,272 +1,270 @@
-"""The coordinator's state and the operations the RPCs perform on it.
+"""The coordinator's front: the one lock, the parts, and the operations the RPCs perform.
 
-Decisions (who is in a round, when it closes, whether an update counts, whether a lease is
-valid) are made by the pure functions of ``rounds`` and ``leases``; this class holds the state
-they decide on, does the file work (spool, checkpoints) and keeps the one lock. The gRPC
-servicer is a thin translation layer over it.
+Each part has one job: ``Membership`` (leases, suspicion), the data mode (``FederatedData`` or
+``SharedData``: which updates a round admits, in which order they are summed), ``UpdateIntake``
+(uploads to verified, durable spooled updates), ``RoundDriver`` (opening and closing rounds by
+the pure rules of ``rounds``), ``ClosePipeline`` (outer step, publish, checkpoint) and
+``recovery`` (start-up). This class owns the lock and the shared ``CoordinatorState``, and keeps
+slow work out from under the lock: an update's fsync, an event's fsync, the close pipeline.
+The gRPC servicer is a thin translation layer over it; ``coordinator status`` reads a snapshot.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
 
+from coordinator import recovery
+from coordinator.accumulate import StreamingMean, start_sum
+from coordinator.checkpointing import CheckpointWriter
+from coordinator.close import CloseParts, ClosePipeline
 from coordinator.config import JobConfig
+from coordinator.counting import UpdateCounter
 from coordinator.downlink import Downlink
-from coordinator.events import EventLog
-from coordinator.failure_detector import PhiAccrualDetector
+from coordinator.events import EventLog, EventSink
 from coordinator.intake import UpdateIntake
-from coordinator.leases import LeaseError, LeaseTable
-from coordinator.model_source import initial_theta, trainable_names
+from coordinator.membership import Membership
 from coordinator.records import (
+    FatalError,
     Published,
+    PushHeader,
     Refused,
-    SiteRecord,
     check_name,
 )
-from coordinator.round_clock import RoundClock
-from coordinator.rounds import RoundOptions, RoundState, record_update
-from coordinator.shared_data import SharedData
-from coordinator.spool import SpooledUpdate, UpdateSpool
-from coordinator.store import Checkpoint, CheckpointStore, StoreError
-from coordinator.uploads import UploadTable
+from coordinator.round_driver import RoundDriver
+from coordinator.spool import UpdateSpool
+from coordinator.status import StatusSnapshot, snapshot_of
+from coordinator.store import CheckpointStore
+from coordinator.uploads import Upload, UploadTable
 from strategies import RobustAggregator, load_strategy
-from strategies.base import call_hook
-from wire.tensors import pack, state_hash
 
 log = logging.getLogger("isthmus.coordinator")
+WAIT_ROUND_CAP_S = 60.0
+INFO_FIELDS = ("round", "version", "finished", "participant", "data_unit")
 
 
-class CoordinatorCore(UpdateIntake, RoundClock, SharedData):
-    """The coordinator's state; uploads are handled by ``UpdateIntake``, rounds by
-    ``RoundClock``, data units (shared-data mode) by ``SharedData``."""
-
+class CoordinatorCore:
     def __init__(self, cfg: JobConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.cfg = cfg
-        self.clock = clock
+        self.cfg, self.clock = cfg, clock
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
         self.store = CheckpointStore(cfg.state_dir)
         self.spool = UpdateSpool(cfg.state_dir / "spool")
-        self.epoch = self.store.next_epoch()
+        self.uploads = UploadTable(self.spool)
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)
-        self.rejections: deque[str] = deque(maxlen=20)  # shown by `coordinator status`
-        self.opts = RoundOptions(
-            cfg.rounds.min_sites,
-            cfg.rounds.max_sites,
-            cfg.rounds.join_window_s,
-            cfg.rounds.deadline_s,
-        )
-        self.leases = LeaseTable(self.epoch, cfg.timeouts.lease_ttl_s)
-        self.sites: dict[str, SiteRecord] = {}
-        self.accepted: dict[str, SpooledUpdate] = {}
-        self.uploads = UploadTable(self.spool)
-        self.fatal: str | None = None
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.last_close_reason = ""
+        self.members = Membership(self.store.next_epoch(), cfg.timeouts, cfg.rounds.max_sites)
         self.downlink = Downlink(cfg.downlink) if cfg.downlink is not None else None
-        self.detector = PhiAccrualDetector(cfg.timeouts.detector_options())
-        self.suspicion_s = cfg.timeouts.suspicion_after_s()
-        self.suspected: set[str] = set()
-        self.ledger = None
-        self.late: dict[str, SpooledUpdate] = {}  # late updates folded into the open round
-        self.last_closed: dict | None = None
-        # Beside the checkpoints: what happened, in order (joins, updates, backups, closes).
         self.events = EventLog(cfg.state_dir / "events.jsonl")
-        self._restore()
+        self.sink = EventSink(self.events)
+        self.writer = CheckpointWriter(self.store)
+        self._folder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fold")
+        self._stopping = False
+        self.state, self.data, self.trainable = recovery.load(self)
+        self.intake = UpdateIntake(
+            self.spool,
+            self.uploads,
+            dict(self.state.theta.tensors),
+            self.trainable,
+            cfg.server.max_update_bytes,
+            measure_norms=self.aggregator.clip_norm > 0,
+        )
+        self.driver = RoundDriver(
+            self.state,
+            self.members,
+            self.data,
+            cfg.rounds,
+            self.strategy,
+            self.sink.post,
+            self.new_sum,
+        )
+        self.counter = UpdateCounter(
+            self.state,
+            self.members,
+            self.data,
+            self.strategy,
+            self.aggregator,
+            self.uploads,
+            self.sink.post,
+        )
+        self.pipeline = ClosePipeline(self._close_parts())
+        recovery.resume(self)
+        self.sink.flush()
         # Before any round: a job whose updates cannot be combined within memory stops here.
-        like = {n: self.theta[n] for n in self.trainable}
+        like = {n: self.state.theta.tensors[n] for n in self.trainable}
         self.aggregator.check(self.strategy, cfg.rounds.max_sites, like)
 
-    # ---- start-up -------------------------------------------------------------------------
-
-    def _restore(self) -> None:
-        ckpt = self.store.load_latest()
-        if ckpt is None:
-            theta = initial_theta(self.cfg.model)
-            ckpt = Checkpoint(0, theta, {}, {"job": self.cfg.name})
-            self.store.save(ckpt)
-            log.info("new job %r: theta_0 has %d tensors", self.cfg.name, len(theta))
-        elif ckpt.meta.get("job") != self.cfg.name:
-            raise StoreError(
-                f"state folder {self.cfg.state_dir} belongs to job {ckpt.meta.get('job')!r}, "
-                f"not {self.cfg.name!r}: use another job.state_dir"
-            )
-        else:
-            call_hook(self.strategy, "load_state_dict", ckpt.strategy_state)
-            closed = ckpt.meta.get("closed_round", {})
-            if closed:
-                self.last_closed = {
-                    "number": closed["number"],
-                    "participants": set(closed.get("participants", closed["sites"])),
-                    "sites": {k.partition("@")[0] for k in closed["sites"]},
-                }
-            for site, reason in sorted(closed.get("rejected", {}).items()):
-                self.rejections.append(f"round {closed['number']}: {site}: {reason}")
-            log.info("resumed job %r at round %d (epoch %d)", self.cfg.name, ckpt.round, self.epoch)
-        self.theta = ckpt.theta
-        if self.downlink is not None:
-            self.downlink.load_state_dict(ckpt.downlink, ckpt.round)
-        self.trainable = trainable_names(self.theta)
-        self.round = RoundState(number=ckpt.round)
-        if self.cfg.data.mode == "shared":
-            self._restore_ledger(ckpt.meta)
-        self.events.append("start", epoch=self.epoch, round=ckpt.round)
-        self._publish()
-        saved = self.spool.read_round(ckpt.round)
-        expected: list[str] = []
-        if saved is not None and not self.finished:
-            # The round in flight at a crash: same participants, updates already spooled count.
-            expected = sorted(saved["participants"])
-            # The deadline runs from when the round first opened, not from this restart, or
-            # repeated crashes could hold a round open for ever.
-            elapsed = max(0.0, time.time() - saved.get("opened_wall", time.time()))
-            self.round = replace(
-                self.round, opened_at=self.clock() - elapsed, participants=frozenset(expected)
-            )
-            if self.shared:
-                self._assign_units()
-            for update in self.spool.completed(ckpt.round):
-                self._replay(update)
-            call_hook(self.strategy, "begin_round", self.round.number, self.theta)
-            log.info("round %d replays with %d spooled update(s)", ckpt.round, len(self.accepted))
-        else:
-            # Between rounds, or after the last one (the sites still fetch the final theta):
-            # the sites of the round closed last are expected back.
-            closed_keys = ckpt.meta.get("closed_round", {}).get("sites", [])
-            expected = sorted({k.partition("@")[0] for k in closed_keys})
-            for update in self.spool.completed(ckpt.round):
-                if "@late" in update.site:  # folded before the round opened
-                    self.late[update.site] = update
-        self._await_rejoin(expected)
-        self.spool.drop_rounds_before(ckpt.round)
-
-    def _replay(self, update: SpooledUpdate) -> None:
-        """Count a spooled update of the round in flight again after a restart."""
-        site, _, tag = update.site.partition("@")
-        if tag.startswith("late"):
-            self.late[update.site] = update
-            return
-        if tag:  # shared-data mode: the unit is committed again, by the same site
-            if site not in self.ledger.holders(self.round.number, tag):
-                self.ledger.add_backup(self.round.number, tag, site)
-            self.ledger.commit(self.round.number, tag, site)
-            self.commit_times[tag] = 0.0
-        self.accepted[update.site] = update
-        self.round = record_update(self.round, tag or site, update.weight)
-
-    def _await_rejoin(self, sites: list[str]) -> None:
-        """After a restart no site holds a lease yet. Hold a provisional lease (one TTL long,
-        under a token nobody was given) for each site of the round in flight, so that the
-        round neither closes without them nor opens without them while they back off and
-        re-join; a site that does not come back within the TTL expires as usual."""
-        now = self.clock()
-        for site in sites:
-            self.leases.grant(site, now)
-            self.sites[site] = SiteRecord(state="rejoining", last_heartbeat=now)
-        if sites:
-            log.info("expecting %s to re-join", ", ".join(sites))
-
-    def _publish(self) -> None:
-        manifest, payload = pack(self.theta)
-        d = self.downlink
-        delta = (d.from_version, d.manifest, d.payload) if d is not None else (None, None, None)
-        self.published = Published(
-            self.round.number, state_hash(self.theta), manifest, payload, *delta
+    def _close_parts(self) -> CloseParts:
+        return CloseParts(
+            self.cfg.name,
+            self.state,
+            self.lock,
+            self.strategy,
+            self.aggregator,
+            self.downlink,
+            self.members,
+            self.data,
+            self.spool,
+            self.uploads,
+            self.writer,
+            self.sink,
+            lambda: self.events.last_closed_round,
         )
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Hold the lock; write the events posted meanwhile once it is released."""
+        try:
+            with self.lock:
+                yield self.state
+        finally:
+            self.sink.flush()
+
+    def new_sum(self, slots: list[str]) -> StreamingMean | None:
+        """The running sum of a round that opens (None when updates are combined at close),
+        holding the updates counted already (late ones folded in before it opened, spooled
+        ones after a restart)."""
+        if not self.aggregator.streams(self.strategy):
+            return None
+        s = self.state
+        running = start_sum(s.theta, self.trainable, self._folder, slots)
+        for key, update in s.accepted.items():
+            alpha = update.weight * self.aggregator.clip_scale(s.norms.get(key))
+            running.offer(self.data.slot_of(key), key, update, alpha)
+        return running
+
+    def wake_all(self) -> None:
+        """Answer every waiting WaitRound now (the server is stopping)."""
+        with self.lock:
+            self._stopping = True
+            self.wake.notify_all()
+
+    def close(self) -> None:
+        """Stop: wake every waiting call, finish the checkpoint being written."""
+        self.wake_all()
+        self.writer.close()
+        self._folder.shutdown(wait=True)
+        self.events.close()
+
+    # ---- views ----------------------------------------------------------------------------
+
+    @property
+    def round(self):
+        return self.state.round
+
+    @property
+    def theta(self):
+        return self.state.theta.tensors
 
     @property
     def finished(self) -> bool:
-        return self.round.number >= self.cfg.rounds.total
+        return self.state.finished
+
+    @property
+    def published(self) -> Published:
+        return self.state.published
+
+    @property
+    def leases(self):
+        return self.members.leases
+
+    @property
+    def suspected(self):
+        return self.members.suspected
+
+    @property
+    def ledger(self):
+        return getattr(self.data, "ledger", None)
+
+    def round_info(self, site: str | None = None) -> dict:
+        """What ``site`` should do now (the fields of ``RoundInfo``)."""
+        s = self.state
+        participant, unit = self.data.task_for(s.round, site) if site is not None else (False, "")
+        info = {
+            "round": s.round.number,
+            "version": s.published.version,
+            "theta_hash": s.published.theta_hash,
+            "inner_steps": self.cfg.rounds.inner_steps,
+            "total_rounds": self.cfg.rounds.total,
+            "finished": s.finished,
+            "participant": participant,
+        }
+        if self.data.kind == "shared":
+            info["data_unit"] = unit
+        return info
+
+    def snapshot(self) -> StatusSnapshot:
+        with self.lock:
+            return snapshot_of(self, self.clock())
+
+    def waiting_reason(self) -> str:
+        with self.lock:
+            s = self.state
+            if s.fatal:
+                return s.fatal
+            if s.finished:
+                return f"job finished after {self.cfg.rounds.total} rounds"
+            now = self.clock()
+            return self.data.waiting_reason(
+                now, s.round, self.members.responsive(now), self.cfg.rounds
+            )
 
     # ---- membership -----------------------------------------------------------------------
 
     def join(self, site: str, num_examples: int = 0):
         check_name("site name", site)
-        with self.lock:
-            now = self.clock()
-            live = self.leases.live(now)
-            if site not in live and len(live) >= self.cfg.rounds.max_sites:
-                raise Refused(
-                    "full", f"the job already has max_sites={self.cfg.rounds.max_sites} sites"
-                )
-            lease = self.leases.grant(site, now)
-            self.sites[site] = SiteRecord(
-                last_heartbeat=now,
-                **_keep(self.sites.get(site), "last_update_at", "last_round_pushed"),
-            )
-            self.detector.forget(site)
-            self.detector.heartbeat(site, now)
-            self.events.append("join", site=site, token=lease.token)
+        with self._locked() as s:
+            lease = self.members.join(site, self.clock())
+            self.sink.post("join", site=site, token=lease.token)
             log.info("site %s joined (token %d)", site, lease.token)
-            self.wake.notify_all()
+            s.changed()
             return lease, self.round_info(site)
 
     def heartbeat(self, site: str, token: int, progress: dict | None):
-        with self.lock:
-            now = self.clock()
-            lease = self._lease(site, token, renew=True)
-            record = self.sites.setdefault(site, SiteRecord())
-            record.last_heartbeat, record.progress, record.state = now, progress, "active"
-            self.detector.heartbeat(site, now)
-            cancels = self.take_cancels(site) if self.shared else []
-            return lease, self.round_info(site), cancels
+        with self._locked():
+            lease = self.members.heartbeat(site, token, progress, self.clock())
+            return lease, self.round_info(site), self.data.take_cancels(site)
 
     def leave(self, site: str, token: int) -> None:
-        with self.lock:
-            self._lease(site, token)
-            self.leases.release(site, token, self.clock())
-            self.sites.setdefault(site, SiteRecord()).state = "left"
-            self.detector.forget(site)
-            self.events.append("leave", site=site)
+        with self._locked() as s:
+            self.members.leave(site, token, self.clock())
+            self.sink.post("leave", site=site)
             log.info("site %s left", site)
-            self.wake.notify_all()
+            s.changed()
 
-    def _lease(self, site: str, token: int, renew: bool = False):
-        try:
-            if renew:
-                return self.leases.renew(site, token, self.clock())
-            return self.leases.check(site, token, self.clock())
-        except LeaseError as exc:
-            raise Refused("lease", str(exc)) from exc
-
-    def round_info(self, site: str | None = None) -> dict:
-        r = self.round
-        info = {
-            "round": r.number,
-            "version": self.published.version,
-            "theta_hash": self.published.theta_hash,
-            "inner_steps": self.cfg.rounds.inner_steps,
-            "total_rounds": self.cfg.rounds.total,
-            "finished": self.finished,
-            "participant": site is not None and site in r.participants and not r.closed,
-        }
-        if self.shared:
-            unit = self.unit_for(site) if site is not None else ""
-            info["data_unit"], info["participant"] = unit, bool(unit)
-        return info
+    def wait_round(self, site: str, token: int, known: dict | None, timeout_s: float):
+        """Answer once what ``site`` should do differs from ``known`` (a long-poll)."""
+        deadline = time.monotonic() + min(max(timeout_s, 0.0), WAIT_ROUND_CAP_S)
+        with self._locked() as s:
+            self.members.check(site, token, self.clock())
+            call = s.watchers[site] = s.watchers.get(site, 0) + 1
+            while True:
+                info = self.round_info(site)
+                changed = known is None or any(info.get(k, "") != known.get(k) for k in INFO_FIELDS)
+                superseded = s.watchers.get(site) != call
+                if changed or superseded or s.fatal or self._stopping:
+                    break
+                if self.data.has_cancels(site):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.wake.wait(left)
+            return info, self.data.take_cancels(site)
 
     # ---- theta downlink -------------------------------------------------------------------
 
-    def fetch(
-        self,
-        site: str,
-        token: int,
-        version: int | None,
-        offset: int,
-        from_version: int | None = None,
-    ) -> tuple[Published, bool]:
+    def fetch(self, site, token, version, offset, from_version=None) -> tuple[Published, bool]:
         """What to stream: the published theta and whether to serve it as the delta from
         ``from_version`` (only when that is the version the delta starts from)."""
-        with self.lock:
-            self._lease(site, token)
-            pub = self.published
+        with self._locked() as s:
+            self.members.check(site, token, self.clock())
+            pub = s.published
         if version is not None and version != pub.version:
             raise Refused(
                 "not_found",
@@ -278,6 +276,60 @@ class CoordinatorCore(UpdateIntake, RoundClock, SharedData):
             raise Refused("invalid", f"offset {offset} outside the {total}-byte payload")
         return pub, as_delta
 
+    def count_sent(self, n: int) -> None:
+        with self.lock:
+            self.state.bytes_out += n
 
-def _keep(record: SiteRecord | None, *names: str) -> dict:
-    return {n: getattr(record, n) for n in names} if record else {}
+    # ---- updates --------------------------------------------------------------------------
+
+    def begin_upload(self, header: PushHeader) -> Upload:
+        check_name("upload_id", header.upload_id)
+        if not (math.isfinite(header.weight) and 0 < header.weight <= 1e15):
+            raise Refused("invalid", f"weight must be a finite number > 0, got {header.weight}")
+        with self._locked():
+            admission = self.counter.admit(header, self.clock())
+        return self.intake.open(header, admission)
+
+    def upload_chunk(self, upload: Upload, offset: int, data: bytes, token: int = 0) -> None:
+        self.intake.write(upload, offset, data)
+        with self.lock:
+            self.state.bytes_in += len(data)
+            self.members.data_arrived(upload.site, token, self.clock())
+
+    def release_upload(self, upload: Upload) -> None:
+        self.uploads.release(upload)
+
+    def finish_upload(self, upload: Upload, token: int) -> bool:
+        """Count a fully received upload; returns False if bytes are still missing."""
+        if not upload.complete:
+            return False
+        norm = self.intake.verify(upload)  # the slow checks, without the lock
+        with self._locked():
+            admission, weight = self.counter.reserve(upload, token, self.clock())
+        try:
+            spooled = self.intake.commit(upload, weight)  # the fsync, without the lock
+        except BaseException:
+            with self.lock:
+                self.state.committing.discard(admission.key)
+            raise
+        with self._locked():
+            self.counter.count(upload, spooled, admission, norm, self.clock())
+        return True
+
+    # ---- the round clock ------------------------------------------------------------------
+
+    def tick(self) -> bool:
+        """Advance membership and the round; returns True if a round was closed."""
+        with self._locked() as s:
+            if s.fatal:
+                raise FatalError(s.fatal)
+            if s.finished:
+                return False
+            step = self.driver.tick(self.clock())
+        if step.round_file is not None:
+            self.spool.write_round(*step.round_file)
+        if step.order is None:
+            return False
+        self.pipeline.run(step.order)
+        self.sink.flush()
+        return True

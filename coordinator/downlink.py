@@ -33,20 +33,21 @@ class Downlink:
         self.codec_state = CodecState()
         self.from_version: int | None = None
         self.manifest: Manifest | None = None
-        self.payload: bytes | None = None
+        self.payload: memoryview | bytes | None = None
 
     def step(
         self, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], old_version: int
     ) -> dict[str, torch.Tensor]:
-        """The official theta_{old_version + 1}, given the strategy's ``new``."""
+        """Make ``new`` (the strategy's theta_{old_version + 1}) the official one, in place:
+        theta_r plus exactly what the sites will decode."""
         manifest, payload = encode_delta(old, new, self.config, self.codec_state)
-        self.manifest, self.payload, self.from_version = manifest, bytes(payload), old_version
-        return apply_delta(old, manifest, self.payload)
+        self.manifest, self.payload, self.from_version = manifest, payload, old_version
+        return apply_delta(old, manifest, self.payload, out=new)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {RESIDUAL + k: v for k, v in self.codec_state.state_dict().items()}
         if self.manifest is not None and self.payload is not None:
-            out[PAYLOAD] = torch.frombuffer(bytearray(self.payload), dtype=torch.uint8)
+            out[PAYLOAD] = _as_u8(self.payload)
             blob = self.manifest.to_proto().SerializeToString()
             out[MANIFEST] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
             out[FROM] = torch.tensor([self.from_version], dtype=torch.int64)
@@ -72,5 +73,12 @@ class Downlink:
         except (DecodeError, PayloadError, ValueError) as exc:
             log.warning("stored downlink delta unusable (%s); sites will fetch theta whole", exc)
             return
-        self.manifest, self.payload = manifest, sd[PAYLOAD].numpy().tobytes()
+        self.manifest, self.payload = manifest, memoryview(sd[PAYLOAD].contiguous().numpy())
         self.from_version = from_version
+
+
+def _as_u8(payload: memoryview | bytes) -> torch.Tensor:
+    """The payload as a uint8 tensor, without a copy when its memory is writable."""
+    if isinstance(payload, memoryview) and not payload.readonly:
+        return torch.frombuffer(payload, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)

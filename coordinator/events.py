@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ class _Scan:
     last_seq: int = 0
     events: list[dict[str, Any]] = field(default_factory=list)
     torn: str | None = None  # why the last line was rejected, if it was
+    last_closed_round: int | None = None
 
 
 def _parse(raw: bytes, prev_seq: int) -> dict[str, Any]:
@@ -72,6 +74,8 @@ def _scan(path: Path, *, keep_since: int | None) -> _Scan:
                 continue
             scan.good_bytes += len(raw)
             scan.last_seq = event["seq"]
+            if event["kind"] == "round_closed" and isinstance(event.get("round"), int):
+                scan.last_closed_round = event["round"]
             if keep_since is not None and event["seq"] > keep_since:
                 scan.events.append(event)
     if pending is not None:
@@ -114,6 +118,7 @@ class EventLog:
 
     def __init__(self, path: Path) -> None:
         self._path = Path(path)
+        self.last_closed_round: int | None = None  # of the newest round_closed event
         self._lock = threading.Lock()
         self._path.parent.mkdir(parents=True, exist_ok=True)
         created = not self._path.exists()
@@ -124,6 +129,7 @@ class EventLog:
                 os.fsync(self._file.fileno())
                 fsync_dir(self._path.parent)
             scan = _scan(self._path, keep_since=None)
+            self.last_closed_round = scan.last_closed_round
             if scan.torn is not None:
                 size = self._file.seek(0, os.SEEK_END)
                 log.warning(
@@ -189,6 +195,8 @@ class EventLog:
                 raise
             self._size += len(line)
             self._last_seq = seq
+            if kind == "round_closed" and isinstance(fields.get("round"), int):
+                self.last_closed_round = fields["round"]
             return seq
 
     def _write(self, line: bytes) -> None:
@@ -216,3 +224,27 @@ class EventLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class EventSink:
+    """Events posted under the coordinator's lock and written after it is released.
+
+    ``post`` only queues (it keeps the order in which the state changed); ``flush`` writes and
+    fsyncs everything posted so far, in that order, and returns once it is durable. Every
+    coordinator call flushes before it returns, so an event is durable by the time its call
+    has answered, and no fsync ever happens while the lock is held.
+    """
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+        self._pending: deque[tuple[str, dict[str, Any]]] = deque()
+        self._writing = threading.Lock()
+
+    def post(self, kind: str, **fields: Any) -> None:
+        self._pending.append((kind, fields))
+
+    def flush(self) -> None:
+        with self._writing:
+            while self._pending:
+                kind, fields = self._pending.popleft()
+                self.log.append(kind, **fields)

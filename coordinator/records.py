@@ -1,21 +1,26 @@
-"""Small types the coordinator's parts share: refusals, per-site records, the served theta."""
+"""Small types the coordinator's parts share: refusals, keys of updates, per-site records, the
+served theta, a closed round. Everything that crosses a module boundary is one of these (frozen
+where it is a value), never a string to split or a dict to index."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
+from wire.proto import isthmus_pb2 as pb
 from wire.tensors import Manifest
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
 class Refused(Exception):
-    """A request refused without any change of state. ``code`` picks the gRPC status."""
+    """A request refused without any change of state. ``code`` picks the gRPC status;
+    ``committed_by`` names the winning site when a data unit's other copy came first."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, committed_by: str = "") -> None:
         super().__init__(message)
         self.code = code
+        self.committed_by = committed_by
 
 
 class FatalError(RuntimeError):
@@ -28,6 +33,78 @@ def check_name(kind: str, value: str) -> None:
             "invalid",
             f"{kind} {value[:70]!r} is invalid: use 1-63 letters, digits, '.', '_' or '-'",
         )
+
+
+@dataclass(frozen=True)
+class UpdateKey:
+    """Which update of a round an upload is.
+
+    Federated mode: a site's own update (``UpdateKey("site-0")``), or its late update for round
+    ``late_from``, folded into the round after it. Shared-data mode: a site's copy of a data
+    unit (``UpdateKey("site-0", unit="u3")``); one site may commit two units in a round.
+    """
+
+    site: str
+    unit: str = ""
+    late_from: int | None = None
+
+    @property
+    def label(self) -> str:
+        """Unique within a round: spool file names, event fields, strategies' keys."""
+        if self.unit:
+            return f"{self.site}@{self.unit}"
+        if self.late_from is not None:
+            return f"{self.site}@late{self.late_from}"
+        return self.site
+
+    def to_json(self) -> dict:
+        return {"site": self.site, "unit": self.unit, "late_from": self.late_from}
+
+    @classmethod
+    def from_json(cls, d: dict) -> UpdateKey:
+        late = d.get("late_from")
+        return cls(str(d["site"]), str(d.get("unit", "")), None if late is None else int(late))
+
+
+@dataclass(frozen=True)
+class PushHeader:
+    """The first message of a push stream, as the servicer read it off the wire."""
+
+    site: str
+    token: int
+    round: int
+    upload_id: str
+    manifest: pb.Manifest  # parsed (against the size limit) only once the push is admitted
+    weight: float
+    base_version: int
+    data_unit: str = ""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What an admitted push will count as: its key, the round folder it is spooled in, the
+    theta version it must have been trained from, and its weight factor (a late update's
+    staleness discount)."""
+
+    key: UpdateKey
+    storage_round: int
+    trained_from: int
+    weight_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ClosedRound:
+    """A round the coordinator closed: who was in it and which updates counted, in the order
+    they were summed."""
+
+    number: int
+    participants: frozenset[str]
+    keys: tuple[UpdateKey, ...]
+    reason: str = ""
+
+    @property
+    def sites(self) -> frozenset[str]:
+        return frozenset(k.site for k in self.keys)
 
 
 @dataclass

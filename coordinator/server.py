@@ -56,9 +56,10 @@ class CoordinatorServer:
 
     def _setup(self, cfg: JobConfig, listen: str | None) -> None:
         self.stop_event = threading.Event()
-        # A push stream holds a worker thread for its whole transfer: keep enough for every
-        # site to push and fetch at once with threads left over for heartbeats.
-        workers = max(cfg.server.workers, 2 * cfg.rounds.max_sites + 8)
+        # A push stream holds a worker thread for its whole transfer and a WaitRound call for
+        # up to a minute: keep enough for every site to push, fetch and wait at once, with
+        # threads left over for heartbeats.
+        workers = max(cfg.server.workers, 3 * cfg.rounds.max_sites + 8)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers),
             options=server_options(),
@@ -111,8 +112,10 @@ class CoordinatorServer:
         finally:
             # Bounded: grpc can leave a call it failed to decode unfinished, and then the
             # stop event never fires; the process must still exit on SIGTERM.
+            self.core.wake_all()
             if not self.server.stop(grace=1.0).wait(timeout=2.0):
                 log.warning("gRPC calls still open after stop; exiting anyway")
+            self.core.close()
             self.close()
         return self.exit_code
 
@@ -124,9 +127,10 @@ class CoordinatorServer:
     def _sites_gone(self, finished_at: float) -> bool:
         core = self.core
         with core.lock:
-            live = core.leases.live(core.clock())
-            last = core.last_closed["participants"] if core.last_closed else set()
-            left = {s for s, rec in core.sites.items() if rec.state == "left"}
+            live = core.members.live(core.clock())
+            closed = core.state.last_closed
+            last = set(closed.participants) if closed else set()
+            left = {s for s, rec in core.members.sites.items() if rec.state == "left"}
         owed = final_fetch_owed(live, last, left)
         if not owed:
             return True

@@ -18,7 +18,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from coordinator.auth import AuthError, Authorizer
 from coordinator.core import CoordinatorCore
-from coordinator.records import Refused, check_name
+from coordinator.records import PushHeader, Refused, check_name
 from coordinator.status import status_reply
 from wire.chunking import DEFAULT_CHUNK_BYTES, iter_chunks
 from wire.proto import isthmus_pb2 as pb
@@ -26,6 +26,7 @@ from wire.proto import isthmus_pb2_grpc as pb_grpc
 
 log = logging.getLogger("isthmus.coordinator")
 
+COMMITTED_BY = "isthmus-committed-by"
 STATUS_CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     # Damaged in flight (the payload's SHA-256 does not match): the site sends it again.
@@ -48,6 +49,8 @@ def _refusals_to_status(method):
 
     def abort(context, exc: Refused):
         log.info("%s refused: %s", method.__name__, exc)
+        if exc.committed_by:  # which site's copy of a data unit won: a field, not prose
+            context.set_trailing_metadata(((COMMITTED_BY, exc.committed_by),))
         context.abort(STATUS_CODES.get(exc.code, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
 
     if inspect.isgeneratorfunction(method):
@@ -176,6 +179,27 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
 
     @_refusals_to_status
+    def WaitRound(self, request: pb.WaitRoundRequest, context) -> pb.WaitRoundReply:
+        self._auth(context, "site", request.lease.site)
+        refuse_unknown_fields(request)
+        known = None
+        if request.HasField("known"):
+            k = request.known
+            known = {
+                "round": k.round,
+                "version": k.version,
+                "finished": k.finished,
+                "participant": k.participant,
+                "data_unit": k.data_unit,
+            }
+        info, cancels = self.core.wait_round(
+            request.lease.site, request.lease.token, known, request.timeout_s
+        )
+        return pb.WaitRoundReply(
+            round=pb.RoundInfo(**info), commands=[pb.Command(cancel_unit=u) for u in cancels]
+        )
+
+    @_refusals_to_status
     def Fetch(self, request: pb.FetchRequest, context):
         self._auth(context, "site", request.lease.site)
         refuse_unknown_fields(request)
@@ -214,15 +238,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._auth(context, "site", first.header.lease.site)
         refuse_unknown_fields(first)
         h = first.header
-        header = {
-            "round": h.round,
-            "upload_id": h.upload_id,
-            "manifest": h.manifest,
-            "weight": h.weight,
-            "base_version": h.base_version,
-            "data_unit": h.data_unit,
-        }
-        upload = self.core.begin_upload(h.lease.site, h.lease.token, header)
+        header = PushHeader(
+            site=h.lease.site,
+            token=h.lease.token,
+            round=h.round,
+            upload_id=h.upload_id,
+            manifest=h.manifest,
+            weight=h.weight,
+            base_version=h.base_version,
+            data_unit=h.data_unit,
+        )
+        upload = self.core.begin_upload(header)
         try:
             for msg in request_iterator:
                 if msg.WhichOneof("kind") != "chunk":
@@ -241,7 +267,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 )
             return pb.PushReply(complete=True, acked_offset=upload.received, message="counted")
         finally:
-            self.core.uploads.release(upload)
+            self.core.release_upload(upload)
 
     @_refusals_to_status
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
@@ -254,4 +280,4 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Status(self, request: pb.StatusRequest, context) -> pb.StatusReply:
         self._auth(context, "operator")
         refuse_unknown_fields(request)
-        return status_reply(self.core)
+        return status_reply(self.core.snapshot())

@@ -1,20 +1,21 @@
-"""Received updates on disk, read back one tensor at a time when the round is summed.
+"""Received updates on disk: durable before they count, read back to be summed.
 
-Each upload streams into ``spool/round-NNNNNNNN/SITE+UPLOAD.part``; when its SHA-256 and contents
-verify it is fsynced and renamed to ``SITE.update`` beside a ``SITE.json`` that records its
-manifest and weight. Memory stays at one chunk per upload, however many sites push at once.
+Each upload streams into ``spool/round-NNNNNNNN/SITE+UPLOAD.part``; once its SHA-256 and
+contents verify it is fsynced and renamed to ``LABEL.update`` beside a ``LABEL.json`` holding
+its key, manifest and weight (the label is the update key's: ``site``, ``site@u3``,
+``site@late2``). An update must count whole or not at all (a site can die half-way, a chunk can
+fail its checksum at the end), so the accumulator (``coordinator.accumulate``) reads verified
+spool files rather than chunks in flight. The page cache usually still holds them.
 
-Why spool instead of adding each chunk into the accumulator as it arrives: an update must count
-whole or not at all (a site can die half-way, a chunk can fail its checksum at the end), and
-floating-point addition is not associative, so a sum taken in arrival order would differ from
-run to run. Summing verified updates in site-name order at round close makes theta_{r+1} a
-function of the set of updates alone: the same after a coordinator crash and replay, bit for bit.
-The sum (``strategies.robust.weighted_mean_of``) still streams: one tensor of one update is
-read (memory-mapped) at a time, so memory is about one model for the accumulator whatever the
-number of sites. Spooled updates also survive a
-coordinator crash, so the round in flight resumes without sites sending them again. Robust
-aggregation (median, trimmed mean, clipping) and strategies that take every update read the
-same files, memory-mapped, through ``SpooledUpdate.as_site_update``.
+Beside the updates, two small records make the round replayable after a crash:
+
+* ``_round.json``: the participants (in fold order) and the wall-clock time the round opened;
+* ``_close.json``: written, fsynced, the moment the round is decided, before theta_{r+1} is
+  computed: the keys that count, in the order they are summed, and why the round closed. With
+  the previous checkpoint it determines theta_{r+1}, so the coordinator publishes theta_{r+1}
+  without waiting for its own checkpoint; a restart recomputes it from here.
+
+The fsyncs of an update happen outside the coordinator's lock (see ``coordinator.core``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -29,24 +31,32 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from coordinator.store import fsync_dir
+from coordinator.records import UpdateKey
+from coordinator.store import write_atomic
 from strategies.base import SiteUpdate
 from wire.tensors import Manifest, TensorEntry, entry_tensor
 
-# Site names start with a letter or digit, so no site's "SITE.json" can be this file.
+# Site names start with a letter or digit, so no update's "LABEL.json" can be these files.
 ROUND_FILE = "_round.json"
+CLOSE_FILE = "_close.json"
+_scratch = threading.local()
 
 
 @dataclass(frozen=True)
 class SpooledUpdate:
-    site: str
+    key: UpdateKey
     weight: float
     path: Path
     manifest: Manifest
 
+    @property
+    def site(self) -> str:
+        return self.key.site
+
     def as_site_update(self) -> SiteUpdate:
         """The update as strategies see it: its tensors memory-mapped only when read."""
-        return SiteUpdate(self.site, self.weight, partial(read_tensors, self.path, self.manifest))
+        reader = partial(read_tensors, self.path, self.manifest)
+        return SiteUpdate(self.key.site, self.weight, reader, key=self.key.label)
 
 
 def _entries_to_json(manifest: Manifest) -> list[dict]:
@@ -59,6 +69,8 @@ def _entries_to_json(manifest: Manifest) -> list[dict]:
             "nbytes": e.nbytes,
             "codec": e.codec,
             "codec_meta": e.codec_meta.hex(),
+            "global_shape": list(e.global_shape),
+            "box_offset": list(e.box_offset),
         }
         for e in manifest.entries
     ]
@@ -74,20 +86,52 @@ def _entries_from_json(items: list[dict], total: int, sha: bytes) -> Manifest:
             i["nbytes"],
             i["codec"],
             bytes.fromhex(i.get("codec_meta", "")),
+            tuple(i.get("global_shape", ())),
+            tuple(i.get("box_offset", ())),
         )
         for i in items
     )
     return Manifest(entries, total, sha)
 
 
+def read_entry(path: Path, e: TensorEntry) -> torch.Tensor:
+    """One entry's bytes as a uint8 tensor, read into this thread's scratch buffer: valid only
+    until the thread's next ``read_entry``."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < e.nbytes:
+        buf = _scratch.buf = torch.empty(max(e.nbytes, 1 << 20), dtype=torch.uint8)
+    out = buf[: e.nbytes]
+    if e.nbytes:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(e.offset)
+            view = memoryview(out.numpy())
+            got = 0
+            while got < e.nbytes:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise OSError(f"{path}: ends before tensor {e.label!r}")
+                got += n
+    return out
+
+
 def read_tensors(path: Path, manifest: Manifest):
-    """Yield ``(name, tensor)`` for each tensor of a spooled payload, memory-mapped."""
+    """Yield ``(name, tensor)`` for each tensor of a spooled payload, memory-mapped; a tensor
+    sent in pieces is put together first (one tensor of memory)."""
     if manifest.total_bytes == 0:
         return
     data = np.memmap(path, dtype=np.uint8, mode="c", shape=(manifest.total_bytes,))
-    for e in manifest.entries:
-        raw = torch.from_numpy(data[e.offset : e.offset + e.nbytes])
-        yield e.name, entry_tensor(e, raw)  # decoded one tensor at a time if encoded
+    groups: dict[str, list[TensorEntry]] = {}
+    for e in manifest.entries:  # payload order; the pieces of a tensor together
+        groups.setdefault(e.name, []).append(e)
+    for name, entries in groups.items():
+        views = [entry_tensor(e, torch.from_numpy(data[e.offset : e.end])) for e in entries]
+        if len(entries) == 1 and not entries[0].is_piece:
+            yield name, views[0]  # decoded one tensor at a time if encoded
+            continue
+        whole = torch.empty(entries[0].full_shape, dtype=views[0].dtype)
+        for e, v in zip(entries, views, strict=True):
+            whole[e.box()] = v
+        yield name, whole
 
 
 class UpdateSpool:
@@ -120,64 +164,66 @@ class UpdateSpool:
         upload_id: str,
         manifest: Manifest,
         weight: float,
-        key: str | None = None,
+        key: UpdateKey | None = None,
     ) -> SpooledUpdate:
-        """Make a verified upload durable as the round's update ``key`` (default: the site;
-        ``SITE@UNIT`` or ``SITE@lateR`` when a site has more than one update in a round)."""
+        """Make a verified upload durable as the round's update ``key`` (default: the site's
+        own). Slow for a large update (an fsync): never call it holding the coordinator's lock."""
+        key = key or UpdateKey(site)
         d = self.round_dir(round_number)
         part = self.part_path(round_number, site, upload_id)
         with open(part, "rb+") as f:
             os.fsync(f.fileno())
-        site = key or site
-        final = d / f"{site}.update"
+        final = d / f"{key.label}.update"
         os.replace(part, final)
         meta = {
-            "site": site,
+            "key": key.to_json(),
             "weight": weight,
             "upload_id": upload_id,
             "total_bytes": manifest.total_bytes,
             "sha256": manifest.sha256.hex(),
             "tensors": _entries_to_json(manifest),
         }
-        tmp = d / f".{site}.json.tmp"
-        with open(tmp, "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, d / f"{site}.json")
-        fsync_dir(d)
-        return SpooledUpdate(site, weight, final, manifest)
+        write_atomic(d / f"{key.label}.json", json.dumps(meta).encode())
+        return SpooledUpdate(key, weight, final, manifest)
 
     def completed(self, round_number: int) -> list[SpooledUpdate]:
         """Updates of a round that were committed (e.g. before a crash)."""
         d = self.round_dir(round_number)
         out = []
         for meta_path in sorted(d.glob("*.json")) if d.exists() else []:
-            if meta_path.name == ROUND_FILE:
+            if meta_path.name in (ROUND_FILE, CLOSE_FILE):
                 continue
             meta = json.loads(meta_path.read_text())
-            path = d / f"{meta['site']}.update"
+            key = UpdateKey.from_json(meta["key"])
+            path = d / f"{key.label}.update"
             if not path.exists():
                 continue
             manifest = _entries_from_json(
                 meta["tensors"], meta["total_bytes"], bytes.fromhex(meta["sha256"])
             )
-            out.append(SpooledUpdate(meta["site"], float(meta["weight"]), path, manifest))
+            out.append(SpooledUpdate(key, float(meta["weight"]), path, manifest))
         return out
 
     def write_round(self, round_number: int, info: dict) -> None:
-        d = self.round_dir(round_number)
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{ROUND_FILE}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(info, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, d / ROUND_FILE)
-        fsync_dir(d)
+        self._write_record(round_number, ROUND_FILE, info)
 
     def read_round(self, round_number: int) -> dict | None:
-        path = self.round_dir(round_number) / ROUND_FILE
+        return self._read_record(round_number, ROUND_FILE)
+
+    def write_close(self, round_number: int, record: dict) -> None:
+        """The round's decision, durable before theta_{r+1} is computed or served."""
+        self._write_record(round_number, CLOSE_FILE, record)
+
+    def read_close(self, round_number: int) -> dict | None:
+        return self._read_record(round_number, CLOSE_FILE)
+
+    def _write_record(self, round_number: int, name: str, info: dict) -> None:
+        d = self.round_dir(round_number)
+        d.mkdir(parents=True, exist_ok=True)
+        write_atomic(d / name, json.dumps(info).encode())
+
+    def _read_record(self, round_number: int, name: str) -> dict | None:
+        path = self.round_dir(round_number) / name
         return json.loads(path.read_text()) if path.exists() else None
 
     def drop_rounds_before(self, round_number: int) -> None:

@@ -1,69 +1,110 @@
-"""``coordinator status``: the state of a running job as a message and as a table."""
+"""``coordinator status``: the state of a running job as a snapshot, a message and a table.
+
+The core builds a ``StatusSnapshot`` under its lock (``snapshot_of``); everything after that
+reads only the snapshot.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from wire.proto import isthmus_pb2 as pb
 
 
-def status_reply(core) -> pb.StatusReply:
-    with core.lock:
-        now = core.clock()
-        r = core.round
-        sites = []
-        for name in sorted(core.sites):
-            rec = core.sites[name]
-            lease = core.leases.get(name)
-            p = rec.progress or {}
-            sites.append(
-                pb.SiteStatus(
-                    site=name,
-                    state=rec.state if lease is not None or rec.state != "active" else "expired",
-                    token=lease.token if lease else 0,
-                    lease_remaining_s=max(lease.remaining(now), 0.0) if lease else 0.0,
-                    last_heartbeat_age_s=now - rec.last_heartbeat,
-                    last_update_age_s=(
-                        now - rec.last_update_at if rec.last_update_at is not None else -1.0
-                    ),
-                    last_round_pushed=rec.last_round_pushed or 0,
-                    phi=core.detector.phi(name, now) if lease is not None else 0.0,
-                    suspected=name in core.suspected,
-                    data_units=_units_of(core, name),
-                    progress=pb.Progress(
-                        round=p.get("round", 0),
-                        inner_step=p.get("inner_step", 0),
-                        train_loss=p.get("train_loss", 0.0),
-                        phase=p.get("phase", ""),
-                    ),
-                )
-            )
-        reply = pb.StatusReply(
-            job_name=core.cfg.name,
-            round=pb.RoundInfo(**core.round_info()),
-            sites=sites,
-            updates_received=len(r.received),
-            updates_expected=len(r.participants),
-            round_age_s=now - r.opened_at if r.opened_at is not None else 0.0,
-            strategy=core.strategy.describe(),
-            wan_bytes_in=core.bytes_in,
-            wan_bytes_out=core.bytes_out,
-            rejections=list(core.rejections),
-            aggregation=core.aggregator.describe(),
-            data_mode=core.cfg.data.mode,
-        )
-        if core.shared and core.ledger.open_round_number() == r.number:
-            units = core.ledger.units_in(r.number)
-            reply.units_committed.extend(u for u in units if core.ledger.committed_by(u))
-        if core.shared:
-            reply.units_pending.extend(core.ledger.pending())
-    reply.waiting_reason = core.waiting_reason()
-    return reply
+@dataclass(frozen=True)
+class StatusSnapshot:
+    job_name: str
+    round_info: dict
+    sites: tuple[pb.SiteStatus, ...]
+    updates_received: int
+    updates_expected: int
+    round_age_s: float
+    strategy: str
+    wan_bytes_in: int
+    wan_bytes_out: int
+    rejections: tuple[str, ...]
+    aggregation: str
+    data_mode: str
+    units_committed: tuple[str, ...]
+    units_pending: tuple[str, ...]
+    waiting_reason: str
 
 
-def _units_of(core, site: str) -> list[str]:
-    r = core.round
-    if not core.shared or core.ledger.open_round_number() != r.number:
-        return []
-    return core.ledger.units_of(r.number, site)
+def snapshot_of(core, now: float) -> StatusSnapshot:
+    """Read everything status shows off the core (the caller holds its lock)."""
+    s, members, data = core.state, core.members, core.data
+    r = s.round
+    sites = tuple(_site_status(core, name, now) for name in sorted(members.sites))
+    committed: tuple[str, ...] = ()
+    pending: tuple[str, ...] = ()
+    if data.kind == "shared":
+        ledger = data.ledger
+        if ledger.open_round_number() == r.number:
+            committed = tuple(u for u in ledger.units_in(r.number) if ledger.committed_by(u))
+        pending = tuple(ledger.pending())
+    return StatusSnapshot(
+        job_name=core.cfg.name,
+        round_info=core.round_info(),
+        sites=sites,
+        updates_received=len(r.received),
+        updates_expected=len(r.participants),
+        round_age_s=now - r.opened_at if r.opened_at is not None else 0.0,
+        strategy=core.strategy.describe(),
+        wan_bytes_in=s.bytes_in,
+        wan_bytes_out=s.bytes_out,
+        rejections=tuple(s.rejections),
+        aggregation=core.aggregator.describe(),
+        data_mode=core.cfg.data.mode,
+        units_committed=committed,
+        units_pending=pending,
+        waiting_reason=core.waiting_reason(),
+    )
+
+
+def _site_status(core, name: str, now: float) -> pb.SiteStatus:
+    members = core.members
+    rec = members.sites[name]
+    lease = members.leases.get(name)
+    p = rec.progress or {}
+    units = core.data.units_of(core.state.round, name) if core.data.kind == "shared" else []
+    return pb.SiteStatus(
+        site=name,
+        state=rec.state if lease is not None or rec.state != "active" else "expired",
+        token=lease.token if lease else 0,
+        lease_remaining_s=max(lease.remaining(now), 0.0) if lease else 0.0,
+        last_heartbeat_age_s=now - rec.last_heartbeat,
+        last_update_age_s=now - rec.last_update_at if rec.last_update_at is not None else -1.0,
+        last_round_pushed=rec.last_round_pushed or 0,
+        phi=members.detector.phi(name, now) if lease is not None else 0.0,
+        suspected=name in members.suspected,
+        data_units=units,
+        progress=pb.Progress(
+            round=p.get("round", 0),
+            inner_step=p.get("inner_step", 0),
+            train_loss=p.get("train_loss", 0.0),
+            phase=p.get("phase", ""),
+        ),
+    )
+
+
+def status_reply(snap: StatusSnapshot) -> pb.StatusReply:
+    return pb.StatusReply(
+        job_name=snap.job_name,
+        round=pb.RoundInfo(**snap.round_info),
+        sites=list(snap.sites),
+        updates_received=snap.updates_received,
+        updates_expected=snap.updates_expected,
+        round_age_s=snap.round_age_s,
+        strategy=snap.strategy,
+        wan_bytes_in=snap.wan_bytes_in,
+        wan_bytes_out=snap.wan_bytes_out,
+        rejections=list(snap.rejections),
+        aggregation=snap.aggregation,
+        data_mode=snap.data_mode,
+        units_committed=list(snap.units_committed),
+        units_pending=list(snap.units_pending),
+        waiting_reason=snap.waiting_reason,
+    )
 
 
 def _age(seconds: float) -> str:

@@ -14,18 +14,21 @@ so that tokens granted before a crash are stale afterwards.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from wire.safetensors_io import map_tensors, write_tensors
 from wire.tensors import state_hash
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,21 @@ class Checkpoint:
     # The compressed downlink: its error-feedback residuals and the delta theta_{r-1} -> theta_r
     # as served (``coordinator.downlink``); empty without one.
     downlink: dict[str, torch.Tensor] = field(default_factory=dict)
+    # state_hash(theta) when the caller already has it (the coordinator hashes theta once).
+    theta_hash: bytes | None = None
+
+
+_counter = itertools.count()
+# One writer at a time per state folder within a process (the folder lock keeps other
+# processes out): a checkpoint being written in the background and one written by a restart
+# in the same process (tests do that) must not interleave.
+_writing: dict[Path, threading.Lock] = {}
+_writing_guard = threading.Lock()
+
+
+def _writer_lock(folder: Path) -> threading.Lock:
+    with _writing_guard:
+        return _writing.setdefault(folder.resolve(), threading.Lock())
 
 
 def fsync_dir(path: Path) -> None:
@@ -109,29 +127,34 @@ class CheckpointStore:
         return epoch
 
     def save(self, ckpt: Checkpoint) -> Path:
+        """Write ``ckpt`` atomically (slow for a large model: the coordinator calls it from
+        its checkpoint thread). Tensors are written from their own memory, never copied."""
+        with _writer_lock(self.dir):
+            return self._save(ckpt)
+
+    def _save(self, ckpt: Checkpoint) -> Path:
         name = f"round-{ckpt.round:08d}"
         final = self.dir / name
-        tmp = self.dir / f".tmp-{name}-{os.getpid()}"
+        tmp = self.dir / f".tmp-{name}-{os.getpid()}-{next(_counter)}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         theta = _contiguous(ckpt.theta)
         strategy_state = _contiguous(ckpt.strategy_state)
         downlink = _contiguous(ckpt.downlink)
+        theta_hash = ckpt.theta_hash or state_hash(theta)
         meta = {
             **ckpt.meta,
             "format": FORMAT,
             "round": ckpt.round,
-            "theta_sha256": state_hash(theta).hex(),
+            "theta_sha256": theta_hash.hex(),
             "strategy_sha256": state_hash(strategy_state).hex(),
             "downlink_sha256": state_hash(downlink).hex(),
             "written_at": time.time(),
         }
-        save_file(theta, str(tmp / "theta.safetensors"))
-        save_file(strategy_state, str(tmp / "strategy.safetensors"))
-        save_file(downlink, str(tmp / "downlink.safetensors"))
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-        for f in tmp.iterdir():
-            fsync_file(f)
+        write_tensors(tmp / "theta.safetensors", theta)
+        write_tensors(tmp / "strategy.safetensors", strategy_state)
+        write_tensors(tmp / "downlink.safetensors", downlink)
+        write_atomic(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True).encode())
         fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -179,7 +202,7 @@ class CheckpointStore:
         if meta.get("format") != FORMAT:
             raise StoreError(f"unsupported checkpoint format {meta.get('format')!r}")
         try:
-            theta = load_file(str(path / "theta.safetensors"))
+            theta = map_tensors(path / "theta.safetensors").tensors
             strategy_state = load_file(str(path / "strategy.safetensors"))
             downlink_file = path / "downlink.safetensors"
             downlink = load_file(str(downlink_file)) if downlink_file.exists() else {}

@@ -15,7 +15,7 @@ import torch
 
 from coordinator.spool import UpdateSpool
 from wire.chunking import Reassembler
-from wire.tensors import Manifest, PayloadError
+from wire.tensors import Manifest, PayloadError, TensorEntry
 
 UPDATE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -23,23 +23,55 @@ UPDATE_DTYPES = ("float32", "bfloat16", "float16")
 def check_update_manifest(
     manifest: Manifest, theta: dict[str, torch.Tensor], trainable: list[str]
 ) -> None:
-    """An update must carry exactly the trainable tensors of theta, with their shapes."""
-    names = manifest.by_name()
-    for name, e in names.items():
+    """An update must carry exactly the trainable tensors of theta, with their shapes: each
+    one whole, or in pieces that tile it (see ``check_tiling``)."""
+    for name, entries in manifest.pieces().items():
         if name not in theta:
             raise PayloadError(f"unknown tensor name {name!r} (not in the model)")
         if name not in trainable:
             raise PayloadError(f"tensor {name!r} is not trainable and must not be sent")
-        if tuple(theta[name].shape) != e.shape:
-            raise PayloadError(
-                f"tensor {name!r} has shape {list(e.shape)}, the model has "
-                f"{list(theta[name].shape)}"
-            )
-        if e.dtype not in UPDATE_DTYPES:
-            raise PayloadError(f"tensor {name!r} has dtype {e.dtype}; updates use {UPDATE_DTYPES}")
+        shape = tuple(theta[name].shape)
+        for e in entries:
+            if e.full_shape != shape:
+                raise PayloadError(
+                    f"tensor {name!r} has shape {list(e.full_shape)}, the model has {list(shape)}"
+                )
+            if e.dtype not in UPDATE_DTYPES:
+                raise PayloadError(
+                    f"tensor {name!r} has dtype {e.dtype}; updates use {UPDATE_DTYPES}"
+                )
+        if len(entries) > 1 or entries[0].is_piece:
+            check_tiling(name, shape, entries)
+    names = {e.name for e in manifest.entries}
     missing = [n for n in trainable if n not in names]
     if missing:
         raise PayloadError(f"update is missing tensor(s) {missing[:5]}")
+
+
+def check_tiling(name: str, shape: tuple[int, ...], pieces: list[TensorEntry]) -> None:
+    """Pieces must cover the tensor exactly once, as a grid: along each dimension their
+    extents partition it, and every combination of extents is one piece. DTensor layouts
+    (FSDP2's row shards, tensor-parallel column shards, both on a 2-D mesh) are grids."""
+    if any(not e.is_piece for e in pieces):
+        raise PayloadError(f"tensor {name!r} is sent both whole and in pieces")
+    cells = 1
+    for dim, size in enumerate(shape):
+        extents = sorted({(e.box_offset[dim], e.shape[dim]) for e in pieces})
+        end = 0
+        for start, length in extents:
+            if start != end:
+                raise PayloadError(
+                    f"tensor {name!r}: its pieces leave a gap or overlap along dimension {dim} "
+                    f"at index {min(start, end)}"
+                )
+            end = start + length
+        if end != size:
+            raise PayloadError(
+                f"tensor {name!r}: its pieces cover {end} of {size} along dimension {dim}"
+            )
+        cells *= len(extents)
+    if cells != len(pieces):
+        raise PayloadError(f"tensor {name!r}: its {len(pieces)} pieces do not form a grid")
 
 
 class UploadConflict(ValueError):
@@ -79,6 +111,7 @@ class Upload:
             manifest.total_bytes, manifest.sha256, self.file, received, hasher
         )
         self.busy = False
+        self.admission = None  # what it counts as once complete (``coordinator.records``)
 
     @property
     def received(self) -> int:

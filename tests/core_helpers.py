@@ -7,6 +7,7 @@ import torch
 
 from coordinator.config import parse_config
 from coordinator.core import CoordinatorCore
+from coordinator.records import PushHeader
 from wire.tensors import pack
 
 
@@ -49,20 +50,22 @@ def delta_like(core: CoordinatorCore, value: float) -> dict[str, torch.Tensor]:
 def push(core, site, token, round_number, delta, *, unit="", base=None, upload_id=None):
     """One whole upload; returns True when counted (raises ``Refused`` otherwise)."""
     manifest, payload = pack(delta)
-    header = {
-        "round": round_number,
-        "upload_id": upload_id or f"{site}-{round_number}-{unit or 'own'}",
-        "manifest": manifest.to_proto(),
-        "weight": 1.0,
-        "base_version": round_number if base is None else base,
-        "data_unit": unit,
-    }
-    upload = core.begin_upload(site, token, header)
+    header = PushHeader(
+        site=site,
+        token=token,
+        round=round_number,
+        upload_id=upload_id or f"{site}-{round_number}-{unit or 'own'}",
+        manifest=manifest.to_proto(),
+        weight=1.0,
+        base_version=round_number if base is None else base,
+        data_unit=unit,
+    )
+    upload = core.begin_upload(header)
     try:
         core.upload_chunk(upload, 0, bytes(payload))
         return core.finish_upload(upload, token)
     finally:
-        core.uploads.release(upload)
+        core.release_upload(upload)
 
 
 def heartbeat_all(core, clock: Clock, tokens: dict[str, int], seconds: float, step=1.0):

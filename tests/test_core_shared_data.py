@@ -28,6 +28,7 @@ def _progress(core, site, token, round_number, step):
 
 
 def _meta(core, round_number):
+    core.writer.wait()  # checkpoints are written in the background
     path = core.cfg.state_dir / "checkpoints" / f"round-{round_number:08d}" / "meta.json"
     return json.loads(path.read_text())
 

@@ -1,0 +1,54 @@
+"""The coordinator's checkpoints, written in the background, one at a time and in order.
+
+theta_{r+1} is published as soon as it is recoverable (the previous checkpoint plus the round's
+fsynced spool and close record determine it), so its own checkpoint is off the round's critical
+path: this thread writes it, then runs what must wait for it (the round's spool can go, the
+event log records the close). The next outer step waits for the previous write
+(``wait``): the built-in strategies update their state in place, and that state is what is
+being written.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from coordinator.store import Checkpoint, CheckpointStore
+
+log = logging.getLogger("isthmus.coordinator")
+
+
+class CheckpointWriter:
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._last: Future | None = None
+
+    def submit(self, ckpt: Checkpoint, then: Callable[[], None]) -> Future:
+        """Write ``ckpt``; once it is durable, run ``then`` (same thread)."""
+
+        def write() -> None:
+            self.store.save(ckpt)
+            then()
+
+        self._last = self._thread.submit(write)
+        self._last.add_done_callback(_report)
+        return self._last
+
+    def wait(self) -> None:
+        """Return once every submitted checkpoint is written; re-raise a failed one."""
+        if self._last is not None:
+            self._last.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._thread.shutdown(wait=True)
+
+
+def _report(done: Future) -> None:
+    exc = done.exception()
+    if exc is not None:
+        log.error("writing a checkpoint failed: %s", exc)

@@ -1,0 +1,230 @@
+"""Closing a round: record -> aggregate -> outer step -> downlink -> publish -> checkpoint.
+
+Each step is one method. ``record`` makes the decision durable (the keys that count, in fold
+order); with the previous checkpoint it determines theta_{r+1}. ``aggregate`` takes the running
+sum (every update was folded in as it arrived) or, for robust aggregation and strategies that
+take every update, screens and combines the spooled updates now. ``outer_step`` is the
+strategy's. ``downlink`` makes theta_{r+1} exactly what sites will rebuild from the encoded
+delta. ``publish`` hashes theta_{r+1} once, swaps it in and wakes every waiting site. The
+``checkpoint`` is written in the background; the round's spool goes once it is durable.
+
+A failure in any step before ``publish`` stops the job with the checkpoint of round r (and the
+close record) unchanged: a restart recomputes the same theta_{r+1}.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from coordinator.checkpointing import CheckpointWriter
+from coordinator.downlink import Downlink
+from coordinator.events import EventSink
+from coordinator.membership import Membership
+from coordinator.publish import hash_theta, publication
+from coordinator.records import ClosedRound, FatalError
+from coordinator.round_driver import CloseOrder
+from coordinator.rounds import next_round
+from coordinator.spool import UpdateSpool
+from coordinator.state import CoordinatorState
+from coordinator.store import Checkpoint
+from coordinator.uploads import UploadTable
+from strategies import RobustAggregator, Strategy
+from strategies.base import (
+    Aggregate,
+    all_finite,
+    call_hook,
+    check_outer_result,
+    check_state,
+    steps_in_place,
+)
+from strategies.robust import Outcome
+from wire.theta import ThetaBuffer
+
+log = logging.getLogger("isthmus.coordinator")
+
+
+@dataclass
+class CloseParts:
+    """What the pipeline works with (owned by the core)."""
+
+    job_name: str
+    state: CoordinatorState
+    lock: threading.RLock
+    strategy: Strategy
+    aggregator: RobustAggregator
+    downlink: Downlink | None
+    members: Membership
+    data: object  # the data mode
+    spool: UpdateSpool
+    uploads: UploadTable
+    writer: CheckpointWriter
+    sink: EventSink
+    events_closed_round: object  # callable: the round of the log's newest round_closed event
+
+
+class ClosePipeline:
+    def __init__(self, parts: CloseParts) -> None:
+        self.p = parts
+
+    def run(self, order: CloseOrder) -> None:
+        started = time.monotonic()
+        r = order.round.number
+        theta = self.p.state.theta
+        try:
+            if not order.replay:
+                self.record(order)
+            outcome = self.aggregate(order)
+            nxt = self.outer_step(order, theta, outcome)
+            if self.p.downlink is not None:
+                self.p.downlink.step(theta.tensors, nxt.tensors, r)
+            strategy_state = check_state(self.p.strategy, call_hook(self.p.strategy, "state_dict"))
+        except Exception as exc:
+            with self.p.lock:
+                self.p.state.fatal = (
+                    f"outer step of round {r} failed: {exc}; the checkpoint of round {r} is "
+                    "unchanged"
+                )
+            log.exception("outer step failed; the last checkpoint is unchanged")
+            raise FatalError(self.p.state.fatal) from exc
+        self._note(r, outcome)
+        theta_hash, closed, meta = self.publish(order, nxt, outcome)
+        self.checkpoint(order, nxt, theta_hash, strategy_state, meta)
+        log.info(
+            "round %d closed (%s): %d update(s), published theta_%d %s in %.2fs",
+            r,
+            order.reason,
+            len(order.keys),
+            r + 1,
+            theta_hash.hex()[:12],
+            time.monotonic() - started,
+        )
+
+    # ---- the steps --------------------------------------------------------------------------
+
+    def record(self, order: CloseOrder) -> None:
+        """The decision, durable before anything is computed from it."""
+        self.p.spool.write_close(
+            order.round.number,
+            {
+                "keys": [k.to_json() for k in order.keys],
+                "reason": order.reason,
+                "participants": sorted(order.round.participants),
+                "slots": list(order.slots),
+            },
+        )
+
+    def aggregate(self, order: CloseOrder) -> Outcome:
+        r = order.round.number
+        with self.p.lock:
+            metrics = self._metrics(r, sorted({k.site for k in order.keys}))
+        if order.running_sum is not None:
+            folded = order.running_sum.finish(order.keys).result()
+            if all(all_finite(t) for t in folded.mean.values()):
+                weights = {k.label: w for k, w in folded.weights.items()}
+                agg = Aggregate(folded.mean, folded.total_weight, weights, r, (), {}, metrics)
+                return Outcome(agg, {}, dict(order.clipped))
+            log.warning("round %d: the running sum is not finite; combining again", r)
+        updates = [u.as_site_update() for u in order.updates]
+        like = {n: t for n, t in self.p.state.theta.tensors.items() if t.is_floating_point()}
+        self.p.aggregator.check(self.p.strategy, len(updates), like)
+        return self.p.aggregator.aggregate(
+            updates, like, r, needs_updates=self.p.strategy.needs_updates, metrics=metrics
+        )
+
+    def outer_step(self, order: CloseOrder, theta: ThetaBuffer, outcome: Outcome) -> ThetaBuffer:
+        """theta_{r+1}, in the running sum's buffer when the strategy can write there."""
+        self.p.writer.wait()  # the state about to change may still be being written
+        if outcome.aggregate is None:
+            log.warning(
+                "round %d: every update was rejected; theta and the strategy state stay",
+                order.round.number,
+            )
+            return theta
+        s, agg = self.p.strategy, outcome.aggregate
+        own = order.running_sum is not None and order.running_sum.buffer is not None
+        own = own and steps_in_place(s)
+        new = call_hook(s, "outer_step_in_place", theta.tensors, agg) if own else None
+        if new is None:
+            new = check_outer_result(
+                s, theta.tensors, call_hook(s, "outer_step", theta.tensors, agg)
+            )
+            return ThetaBuffer.copy_of(new)
+        new = check_outer_result(s, theta.tensors, new)
+        buffer = order.running_sum.buffer
+        for name, t in new.items():  # names the step did not write into the buffer
+            if t.data_ptr() != buffer.tensors[name].data_ptr():
+                buffer.tensors[name].copy_(t)
+        return buffer
+
+    def publish(self, order: CloseOrder, nxt: ThetaBuffer, outcome: Outcome):
+        """Hash theta_{r+1}, make it the served theta and open the way to round r+1."""
+        r = order.round.number
+        theta_hash, nxt = hash_theta(nxt)
+        closed = ClosedRound(r, frozenset(order.round.participants), order.keys, order.reason)
+        with self.p.lock:
+            s = self.p.state
+            carried = self.p.data.round_closed(closed, self.p.sink.post)
+            s.theta, s.round = nxt, next_round(order.round)
+            s.published = publication(r + 1, nxt, theta_hash, self.p.downlink)
+            s.accepted, s.norms, s.slots, s.running_sum = {}, {}, [], None
+            s.last_closed, s.last_close_reason = closed, order.reason
+            meta = {
+                "job": self.p.job_name,
+                "closed_round": {
+                    "number": r,
+                    "reason": order.reason,
+                    "sites": sorted(k.label for k in order.keys),
+                    "keys": [k.to_json() for k in order.keys],
+                    "participants": sorted(order.round.participants),
+                    "rejected": outcome.rejected,
+                    "clipped": outcome.clipped,
+                    "carried_units": carried,
+                },
+                **self.p.data.meta(),
+            }
+            if self.p.events_closed_round() != r:  # a replayed close was logged before a crash
+                self.p.sink.post(
+                    "round_closed",
+                    round=r,
+                    reason=order.reason,
+                    updates=[k.label for k in order.keys],
+                    theta_sha256=theta_hash.hex(),
+                )
+            s.changed()
+        self.p.uploads.drop_rounds_before(r + 1)
+        return theta_hash, closed, meta
+
+    def checkpoint(self, order, nxt: ThetaBuffer, theta_hash: bytes, strategy_state, meta):
+        r = order.round.number
+        downlink = self.p.downlink.state_dict() if self.p.downlink is not None else {}
+        ckpt = Checkpoint(r + 1, nxt.tensors, strategy_state, meta, downlink, theta_hash)
+        self.p.writer.submit(ckpt, lambda: self.p.spool.drop_rounds_before(r + 1))
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _metrics(self, round_number: int, sites: list[str]) -> dict[str, dict[str, float]]:
+        """What each site last reported for this round (protobuf sends 0 for "no loss")."""
+        out = {}
+        for site in sites:
+            p = (self.p.members.sites.get(site) or _NO_RECORD).progress or {}
+            if p.get("round") == round_number and p.get("train_loss"):
+                out[site] = {"train_loss": float(p["train_loss"])}
+        return out
+
+    def _note(self, round_number: int, outcome: Outcome) -> None:
+        for key, norm in outcome.clipped.items():
+            log.info("round %d: update of %s clipped (norm %.4g)", round_number, key, norm)
+        with self.p.lock:
+            for key, reason in outcome.rejected.items():
+                log.warning("round %d: update of %s rejected: %s", round_number, key, reason)
+                self.p.state.rejections.append(f"round {round_number}: {key}: {reason}")
+
+
+class _NoRecord:
+    progress = None
+
+
+_NO_RECORD = _NoRecord()
