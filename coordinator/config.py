@@ -64,10 +64,12 @@ from coordinator.config_table import (
     ConfigError,
     Table,
     check_listen,
+    load_table,
     non_empty,
     non_negative,
     positive,
 )
+from coordinator.rounds import RoundsConfig
 from coordinator.speculation import SpeculationOptions
 from wire.codecs.rules import CodecConfigError, CompressionConfig, compression_tables
 
@@ -95,16 +97,6 @@ class AggregationConfig:
     clip_norm: float = 0.0
     outlier_zscore: float = 0.0
     max_buffer_bytes: int = 8 << 30
-
-
-@dataclass(frozen=True)
-class RoundsConfig:
-    total: int = 10
-    inner_steps: int = 50
-    min_sites: int = 1
-    max_sites: int = 64
-    join_window_s: float = 5.0
-    deadline_s: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -167,23 +159,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
     except CodecConfigError as exc:
         raise ConfigError(str(exc)) from exc
 
-    r = root.table("rounds")
-    rounds = RoundsConfig(
-        total=r.get("total", int, check=positive),
-        inner_steps=r.get("inner_steps", int, check=positive),
-        min_sites=r.get("min_sites", int, 1, check=positive),
-        max_sites=r.get("max_sites", int, 64, check=positive),
-        join_window_s=r.get(
-            "join_window_s", float, 5.0, check=lambda v: None if v >= 0 else "must be >= 0"
-        ),
-        deadline_s=r.get("deadline_s", float, 1800.0, check=positive),
-    )
-    r.reject_unknown()
-    if rounds.max_sites < rounds.min_sites:
-        raise ConfigError(
-            f"rounds.max_sites: must be >= rounds.min_sites ({rounds.min_sites}), "
-            f"got {rounds.max_sites}"
-        )
+    rounds = load_table(RoundsConfig, root.table("rounds").data, "rounds")
 
     timeouts = parse_timeouts(root.table("timeouts"), rounds.deadline_s)
     data = parse_data(root.table("data"))

@@ -29,7 +29,7 @@ from coordinator.records import (
     check_name,
 )
 from coordinator.round_clock import RoundClock
-from coordinator.rounds import RoundOptions, RoundState, record_update
+from coordinator.rounds import RoundState, record_update
 from coordinator.shared_data import SharedData
 from coordinator.spool import SpooledUpdate, UpdateSpool
 from coordinator.store import Checkpoint, CheckpointStore, StoreError
@@ -56,12 +56,7 @@ class CoordinatorCore(UpdateIntake, RoundClock, SharedData):
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)
         self.rejections: deque[str] = deque(maxlen=20)  # shown by `coordinator status`
-        self.opts = RoundOptions(
-            cfg.rounds.min_sites,
-            cfg.rounds.max_sites,
-            cfg.rounds.join_window_s,
-            cfg.rounds.deadline_s,
-        )
+        self.opts = cfg.rounds
         self.leases = LeaseTable(self.epoch, cfg.timeouts.lease_ttl_s)
         self.sites: dict[str, SiteRecord] = {}
         self.accepted: dict[str, SpooledUpdate] = {}
