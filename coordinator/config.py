@@ -66,11 +66,11 @@ from coordinator.config_table import (
     check_listen,
     load_table,
     non_empty,
-    non_negative,
     positive,
 )
 from coordinator.rounds import RoundsConfig
 from coordinator.speculation import SpeculationOptions
+from strategies.robust import AggregationConfig
 from wire.codecs.rules import CodecConfigError, CompressionConfig, compression_tables
 
 
@@ -86,17 +86,6 @@ class ModelConfig:
 class StrategyConfig:
     name: str = "diloco"
     params: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class AggregationConfig:
-    """How the round's updates are screened and combined (see ``strategies/robust.py``)."""
-
-    method: str = "mean"
-    trim_fraction: float = 0.2
-    clip_norm: float = 0.0
-    outlier_zscore: float = 0.0
-    max_buffer_bytes: int = 8 << 30
 
 
 @dataclass(frozen=True)
@@ -153,7 +142,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
     strategy_name = s.get("name", str, "diloco", check=non_empty)
     params = {k: v for k, v in s.data.items() if k != "name"}
     strategy = StrategyConfig(strategy_name, params)
-    aggregation = _parse_aggregation(root.table("aggregation"))
+    aggregation = AggregationConfig.from_table(root.table("aggregation").data)
     try:  # sites read the same table from the config the coordinator hands them on Join
         compression, downlink = compression_tables(root.table("compression").data)
     except CodecConfigError as exc:
@@ -188,39 +177,6 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         speculation,
         downlink,
     )
-
-
-AGGREGATION_METHODS = ("mean", "median", "trimmed_mean")
-
-
-def _parse_aggregation(a: Table) -> AggregationConfig:
-    method = a.get(
-        "method",
-        str,
-        "mean",
-        check=lambda v: (
-            None if v in AGGREGATION_METHODS else f"must be one of {AGGREGATION_METHODS}"
-        ),
-    )
-    if "trim_fraction" in a.data and method != "trimmed_mean":
-        raise ConfigError(
-            f"aggregation.trim_fraction: only used with method = 'trimmed_mean' (method is "
-            f"{method!r})"
-        )
-    cfg = AggregationConfig(
-        method=method,
-        trim_fraction=a.get(
-            "trim_fraction",
-            float,
-            0.2,
-            check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)",
-        ),
-        clip_norm=a.get("clip_norm", float, 0.0, check=non_negative),
-        outlier_zscore=a.get("outlier_zscore", float, 0.0, check=non_negative),
-        max_buffer_bytes=a.get("max_buffer_bytes", int, 8 << 30, check=positive),
-    )
-    a.reject_unknown()
-    return cfg
 
 
 def load_config(path: str | Path) -> JobConfig:
