@@ -53,21 +53,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.config_faults import (
-    DataConfig,
-    TimeoutsConfig,
-    parse_data,
-    parse_speculation,
-    parse_timeouts,
-)
 from coordinator.config_table import (
     ConfigError,
     Table,
     check_listen,
     load_table,
     non_empty,
+    one_of,
     positive,
+    setting,
 )
+from coordinator.failure_detector import TimeoutsConfig
 from coordinator.rounds import RoundsConfig
 from coordinator.speculation import SpeculationOptions
 from strategies.robust import AggregationConfig
@@ -93,6 +89,18 @@ class ServerConfig:
     listen: str = "127.0.0.1:7070"
     max_update_bytes: int = 8 << 30
     workers: int = 32
+
+
+DATA_MODES = ("federated", "shared")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``federated``: each site trains on its own data; a late update is dropped or folded
+    into the next round as the strategy says. ``shared`` (pretraining): the coordinator hands
+    out data units each round, backs up stragglers' units and commits each unit once."""
+
+    mode: str = setting("federated", check=one_of(DATA_MODES))
 
 
 @dataclass(frozen=True)
@@ -150,9 +158,10 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
 
     rounds = load_table(RoundsConfig, root.table("rounds").data, "rounds")
 
-    timeouts = parse_timeouts(root.table("timeouts"), rounds.deadline_s)
-    data = parse_data(root.table("data"))
-    speculation = parse_speculation(root.table("speculation"), data)
+    timeouts = load_table(TimeoutsConfig, root.table("timeouts").data, "timeouts")
+    timeouts.check_hierarchy(rounds.deadline_s)
+    data = load_table(DataConfig, root.table("data").data, "data")
+    speculation = speculation_from_table(root.table("speculation").data, data)
 
     sv = root.table("server")
     server = ServerConfig(
@@ -177,6 +186,16 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         speculation,
         downlink,
     )
+
+
+def speculation_from_table(table: Any, data: DataConfig) -> SpeculationOptions:
+    """Read ``[speculation]``, refused outright unless ``data.mode = 'shared'``: backups are
+    copies of data units, which only shared-data mode hands out."""
+    if isinstance(table, dict) and table and data.mode != "shared":
+        raise ConfigError(
+            f"speculation: backup copies need data.mode = 'shared' (data.mode is {data.mode!r})"
+        )
+    return load_table(SpeculationOptions, table, "speculation")
 
 
 def load_config(path: str | Path) -> JobConfig:
