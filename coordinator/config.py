@@ -1,8 +1,15 @@
 """The job config: a TOML file loaded into dataclasses and checked before anything starts.
 
-Every error names the key that is wrong (``rounds.inner_steps: expected an integer > 0, got
--1``), unknown keys are refused (a typo must not silently fall back to a default), and relative
-paths are taken from the config file's folder.
+Every error names the key that is wrong (``rounds.inner_steps: must be > 0, got -1``), unknown
+keys are refused (a typo must not silently fall back to a default), and relative paths are
+taken from the config file's folder.
+
+Each table is a dataclass owned by the code it configures, where its defaults and checks are
+written once (read by ``wire.config_table.load_table``): ``[model]`` in
+``coordinator.model_source``, ``[aggregation]`` in ``strategies.robust``, ``[rounds]`` in
+``coordinator.rounds``, ``[timeouts]`` in ``coordinator.failure_detector``, ``[speculation]`` in
+``coordinator.speculation`` and ``[compression]`` in ``wire.codecs.rules``. The rest are here,
+with the rules that span tables.
 
 Example::
 
@@ -53,65 +60,85 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.config_faults import (
-    DataConfig,
-    TimeoutsConfig,
-    parse_data,
-    parse_speculation,
-    parse_timeouts,
-)
-from coordinator.config_table import (
-    ConfigError,
-    Table,
-    check_listen,
-    non_empty,
-    non_negative,
-    positive,
-)
+from coordinator.failure_detector import TimeoutsConfig
+from coordinator.model_source import ModelConfig
+from coordinator.rounds import RoundsConfig
 from coordinator.speculation import SpeculationOptions
+from strategies.robust import AggregationConfig
 from wire.codecs.rules import CodecConfigError, CompressionConfig, compression_tables
+from wire.config_table import (
+    ConfigError,
+    as_table,
+    check_listen,
+    load_table,
+    non_empty,
+    one_of,
+    positive,
+    setting,
+)
+
+__all__ = [
+    "AggregationConfig",
+    "ConfigError",
+    "DataConfig",
+    "JobConfig",
+    "ModelConfig",
+    "RoundsConfig",
+    "ServerConfig",
+    "StrategyConfig",
+    "TimeoutsConfig",
+    "load_config",
+    "parse_config",
+]
+
+SECTIONS = (
+    "job",
+    "model",
+    "strategy",
+    "aggregation",
+    "compression",
+    "rounds",
+    "timeouts",
+    "data",
+    "speculation",
+    "server",
+)
+DATA_MODES = ("federated", "shared")
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    factory: str | None = None
-    path: Path | None = None
-    seed: int = 0
-    kwargs: dict[str, Any] = field(default_factory=dict)
+class JobTable:
+    """The ``[job]`` table; ``JobConfig`` carries its two keys at the top level."""
+
+    name: str = setting(check=non_empty)
+    state_dir: Path = setting(Path("state"), check=non_empty)
 
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    name: str = "diloco"
-    params: dict[str, Any] = field(default_factory=dict)
+    """The ``[strategy]`` table: a built-in's name or ``package.module:Class``; every other key
+    is passed to the strategy, which checks its own parameters."""
 
-
-@dataclass(frozen=True)
-class AggregationConfig:
-    """How the round's updates are screened and combined (see ``strategies/robust.py``)."""
-
-    method: str = "mean"
-    trim_fraction: float = 0.2
-    clip_norm: float = 0.0
-    outlier_zscore: float = 0.0
-    max_buffer_bytes: int = 8 << 30
-
-
-@dataclass(frozen=True)
-class RoundsConfig:
-    total: int = 10
-    inner_steps: int = 50
-    min_sites: int = 1
-    max_sites: int = 64
-    join_window_s: float = 5.0
-    deadline_s: float = 1800.0
+    name: str = setting("diloco", check=non_empty)
+    params: dict[str, Any] = setting(factory=dict, rest=True)
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    listen: str = "127.0.0.1:7070"
-    max_update_bytes: int = 8 << 30
-    workers: int = 32
+    """The ``[server]`` table: where the coordinator listens and what one RPC may bring."""
+
+    listen: str = setting("127.0.0.1:7070", check=check_listen)
+    max_update_bytes: int = setting(8 << 30, check=positive)
+    workers: int = setting(32, check=positive)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``federated``: each site trains on its own data; a late update is dropped or folded
+    into the next round as the strategy says. ``shared`` (pretraining): the coordinator hands
+    out data units each round, backs up stragglers' units and commits each unit once."""
+
+    mode: str = setting("federated", check=one_of(DATA_MODES))
 
 
 @dataclass(frozen=True)
@@ -133,73 +160,42 @@ class JobConfig:
 
 
 def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> JobConfig:
-    root = Table(data, "")
-    job = root.table("job")
-    name = job.get("name", str, check=non_empty)
-    state_dir = base_dir / job.get("state_dir", str, "state", check=non_empty)
-    job.reject_unknown()
+    """Check a job config's tables and build the ``JobConfig``.
 
-    m = root.table("model")
-    factory = m.get("factory", str, None, check=non_empty)
-    path = m.get("path", str, None, check=non_empty)
-    if (factory is None) == (path is None):
-        raise ConfigError(
-            "model: set exactly one of model.factory ('module:function') or model.path"
-        )
-    module_name, _, function = (factory or "").partition(":")
-    if factory is not None and not (module_name.strip() and function.strip()):
-        raise ConfigError(f"model.factory: expected 'package.module:function', got {factory!r}")
-    model = ModelConfig(
-        factory=factory,
-        path=base_dir / path if path is not None else None,
-        seed=m.get("seed", int, 0),
-        kwargs=m.get("kwargs", dict, {}),
-    )
-    m.reject_unknown()
+    Tables are read in a fixed order (``[rounds]`` before ``[timeouts]``, whose hierarchy ends
+    at ``rounds.deadline_s``; ``[data]`` before ``[speculation]``); the first problem raises.
 
-    s = root.table("strategy")
-    strategy_name = s.get("name", str, "diloco", check=non_empty)
-    params = {k: v for k, v in s.data.items() if k != "name"}
-    strategy = StrategyConfig(strategy_name, params)
-    aggregation = _parse_aggregation(root.table("aggregation"))
+    Parameters
+    ----------
+    data
+        The parsed TOML document.
+    base_dir
+        The folder relative paths (``job.state_dir``, ``model.path``) are taken from.
+    source
+        The file's bytes, kept as ``source_toml`` (sites are handed the same config).
+    """
+    job = load_table(JobTable, data.get("job", {}), "job", base_dir)
+    model = load_table(ModelConfig, data.get("model", {}), "model", base_dir)
+    strategy = load_table(StrategyConfig, data.get("strategy", {}), "strategy")
+    aggregation = AggregationConfig.from_table(data.get("aggregation", {}))
     try:  # sites read the same table from the config the coordinator hands them on Join
-        compression, downlink = compression_tables(root.table("compression").data)
+        compression, downlink = compression_tables(
+            as_table(data.get("compression", {}), "compression")
+        )
     except CodecConfigError as exc:
         raise ConfigError(str(exc)) from exc
-
-    r = root.table("rounds")
-    rounds = RoundsConfig(
-        total=r.get("total", int, check=positive),
-        inner_steps=r.get("inner_steps", int, check=positive),
-        min_sites=r.get("min_sites", int, 1, check=positive),
-        max_sites=r.get("max_sites", int, 64, check=positive),
-        join_window_s=r.get(
-            "join_window_s", float, 5.0, check=lambda v: None if v >= 0 else "must be >= 0"
-        ),
-        deadline_s=r.get("deadline_s", float, 1800.0, check=positive),
-    )
-    r.reject_unknown()
-    if rounds.max_sites < rounds.min_sites:
-        raise ConfigError(
-            f"rounds.max_sites: must be >= rounds.min_sites ({rounds.min_sites}), "
-            f"got {rounds.max_sites}"
-        )
-
-    timeouts = parse_timeouts(root.table("timeouts"), rounds.deadline_s)
-    data = parse_data(root.table("data"))
-    speculation = parse_speculation(root.table("speculation"), data)
-
-    sv = root.table("server")
-    server = ServerConfig(
-        listen=sv.get("listen", str, "127.0.0.1:7070", check=check_listen),
-        max_update_bytes=sv.get("max_update_bytes", int, 8 << 30, check=positive),
-        workers=sv.get("workers", int, 32, check=positive),
-    )
-    sv.reject_unknown()
-    root.reject_unknown()
+    rounds = load_table(RoundsConfig, data.get("rounds", {}), "rounds")
+    timeouts = load_table(TimeoutsConfig, data.get("timeouts", {}), "timeouts")
+    timeouts.check_hierarchy(rounds.deadline_s)
+    data_cfg = load_table(DataConfig, data.get("data", {}), "data")
+    speculation = speculation_from_table(data.get("speculation", {}), data_cfg)
+    server = load_table(ServerConfig, data.get("server", {}), "server")
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key")
     return JobConfig(
-        name,
-        state_dir,
+        job.name,
+        job.state_dir,
         model,
         strategy,
         rounds,
@@ -208,43 +204,20 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         source,
         aggregation,
         compression,
-        data,
+        data_cfg,
         speculation,
         downlink,
     )
 
 
-AGGREGATION_METHODS = ("mean", "median", "trimmed_mean")
-
-
-def _parse_aggregation(a: Table) -> AggregationConfig:
-    method = a.get(
-        "method",
-        str,
-        "mean",
-        check=lambda v: (
-            None if v in AGGREGATION_METHODS else f"must be one of {AGGREGATION_METHODS}"
-        ),
-    )
-    if "trim_fraction" in a.data and method != "trimmed_mean":
+def speculation_from_table(table: Any, data: DataConfig) -> SpeculationOptions:
+    """Read ``[speculation]``, refused outright unless ``data.mode = 'shared'``: backups are
+    copies of data units, which only shared-data mode hands out."""
+    if isinstance(table, dict) and table and data.mode != "shared":
         raise ConfigError(
-            f"aggregation.trim_fraction: only used with method = 'trimmed_mean' (method is "
-            f"{method!r})"
+            f"speculation: backup copies need data.mode = 'shared' (data.mode is {data.mode!r})"
         )
-    cfg = AggregationConfig(
-        method=method,
-        trim_fraction=a.get(
-            "trim_fraction",
-            float,
-            0.2,
-            check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)",
-        ),
-        clip_norm=a.get("clip_norm", float, 0.0, check=non_negative),
-        outlier_zscore=a.get("outlier_zscore", float, 0.0, check=non_negative),
-        max_buffer_bytes=a.get("max_buffer_bytes", int, 8 << 30, check=positive),
-    )
-    a.reject_unknown()
-    return cfg
+    return load_table(SpeculationOptions, table, "speculation")
 
 
 def load_config(path: str | Path) -> JobConfig:

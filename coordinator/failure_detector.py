@@ -18,6 +18,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from wire.config_table import ConfigError, non_negative, positive, rule, setting
+
 # Past this phi the site is as good as gone; capping keeps status output and arithmetic on
 # phi finite however long a site stays silent.
 MAX_PHI = 1e3
@@ -191,3 +193,52 @@ def suspicion_after_s(interval_s: float, opts: DetectorOptions) -> float:
         else:
             hi = mid
     return hi
+
+
+@dataclass(frozen=True)
+class TimeoutsConfig:
+    """The ``[timeouts]`` table: heartbeat interval < suspicion < lease TTL < round deadline.
+
+    Suspicion comes from the phi-accrual detector above, over each site's heartbeat history; by
+    default a site that heartbeats steadily is suspected about halfway through its lease,
+    sooner than its lease expires, later on a jittery link.
+    """
+
+    heartbeat_interval_s: float = setting(5.0, check=positive)
+    lease_ttl_s: float = setting(30.0, check=positive)
+    suspicion_phi: float = setting(8.0, check=rule(lambda v: 0 < v < 100, "must be in (0, 100)"))
+    # Silence tolerated on top of the usual interval; None: lease_ttl_s / 2 - heartbeat.
+    suspicion_pause_s: float | None = setting(None, check=non_negative)
+    # After the last round, how long the final theta is served to sites of that round that
+    # have not fetched it yet (one cut off by the WAN comes back for it).
+    final_fetch_s: float = setting(600.0, check=positive)
+
+    def detector_options(self) -> DetectorOptions:
+        hb = self.heartbeat_interval_s
+        pause = self.suspicion_pause_s
+        if pause is None:
+            pause = max(0.0, self.lease_ttl_s / 2 - hb)
+        return DetectorOptions(
+            threshold=self.suspicion_phi,
+            min_std_s=hb / 4,
+            acceptable_pause_s=pause,
+            first_interval_s=hb,
+        )
+
+    def suspicion_after_s(self) -> float:
+        """Silence after which a steadily heartbeating site is suspected."""
+        return suspicion_after_s(self.heartbeat_interval_s, self.detector_options())
+
+    def check_hierarchy(self, deadline_s: float) -> None:
+        """Refuse timeouts out of order: suspecting a site between two of its heartbeats, only
+        once its lease has expired, or holding a dead site's lease past the round's deadline
+        each defeats the step that comes later."""
+        suspicion = self.suspicion_after_s()
+        if not self.heartbeat_interval_s < suspicion < self.lease_ttl_s < deadline_s:
+            raise ConfigError(
+                "timeouts: need heartbeat_interval_s < suspicion < lease_ttl_s < "
+                f"rounds.deadline_s, got timeouts.heartbeat_interval_s={self.heartbeat_interval_s}"
+                f", suspicion after {suspicion:.2f}s of silence (from timeouts.suspicion_phi="
+                f"{self.suspicion_phi} and suspicion_pause_s), timeouts.lease_ttl_s="
+                f"{self.lease_ttl_s}, rounds.deadline_s={deadline_s}"
+            )

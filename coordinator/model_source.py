@@ -3,11 +3,41 @@
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from coordinator.config import ConfigError, ModelConfig
+from wire.config_table import ConfigError, non_empty, setting
+
+
+def factory_spec(v: str) -> str | None:
+    """A ``model.factory`` names a function in a module: both halves of ``module:function``."""
+    module_name, _, function = v.partition(":")
+    if module_name.strip() and function.strip():
+        return None
+    return "expected 'package.module:function'"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The ``[model]`` table: theta_0 from ``factory(**kwargs)`` seeded with ``seed``, or read
+    from the safetensors file at ``path``."""
+
+    factory: str | None = setting(None, check=(non_empty, factory_spec))
+    path: Path | None = setting(None, check=non_empty)
+    seed: int = 0
+    kwargs: dict[str, Any] = setting(factory=dict)
+
+    def check(self) -> None:
+        """Exactly one source of theta_0: with neither there is none, with both it would be
+        a guess which one the job trains from."""
+        if (self.factory is None) == (self.path is None):
+            raise ConfigError(
+                "model: set exactly one of model.factory ('module:function') or model.path"
+            )
 
 
 def initial_theta(cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -14,13 +14,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from wire.config_table import ConfigError, positive, rule, setting
+
 
 @dataclass(frozen=True)
-class RoundOptions:
-    min_sites: int
-    max_sites: int
-    join_window_s: float
-    deadline_s: float
+class RoundsConfig:
+    """The ``[rounds]`` table: how many rounds, and who is in one and for how long.
+
+    ``min_sites, max_sites, join_window_s, deadline_s`` come first, so the round functions'
+    tests can build one positionally. ``total`` and ``inner_steps`` have defaults for such
+    code but a job config must say them: they decide how long the job trains.
+    """
+
+    min_sites: int = setting(1, check=positive)
+    max_sites: int = setting(64, check=positive)
+    join_window_s: float = setting(5.0, check=rule(lambda v: v >= 0, "must be >= 0"))
+    deadline_s: float = setting(1800.0, check=positive)
+    total: int = setting(10, check=positive, required=True)
+    inner_steps: int = setting(50, check=positive, required=True)  # H
+
+    def check(self) -> None:
+        """A round can never have more than ``max_sites``, so it must allow ``min_sites``."""
+        if self.max_sites < self.min_sites:
+            raise ConfigError(
+                f"rounds.max_sites: must be >= rounds.min_sites ({self.min_sites}), "
+                f"got {self.max_sites}"
+            )
+
+
+RoundOptions = RoundsConfig  # the name the round functions' callers knew first
 
 
 @dataclass(frozen=True)
@@ -49,7 +71,7 @@ class UpdateRefused(Exception):
         self.code = code
 
 
-def open_round(now: float, state: RoundState, live: set[str], opts: RoundOptions) -> RoundState:
+def open_round(now: float, state: RoundState, live: set[str], opts: RoundsConfig) -> RoundState:
     """Open a waiting round once enough sites hold leases; returns the (maybe) new state."""
     if state.opened_at is not None:
         return state
@@ -64,7 +86,7 @@ def open_round(now: float, state: RoundState, live: set[str], opts: RoundOptions
     return replace(state, opened_at=now, quorum_since=quorum_since, participants=chosen)
 
 
-def waiting_reason(now: float, state: RoundState, live: set[str], opts: RoundOptions) -> str:
+def waiting_reason(now: float, state: RoundState, live: set[str], opts: RoundsConfig) -> str:
     if state.opened_at is None:
         if len(live) < opts.min_sites:
             return f"waiting for sites: {len(live)} of min_sites={opts.min_sites} have joined"
@@ -102,7 +124,7 @@ def admit_update(state: RoundState, site: str, round_number: int) -> None:
 
 
 def admit_latecomers(
-    now: float, state: RoundState, live: set[str], opts: RoundOptions
+    now: float, state: RoundState, live: set[str], opts: RoundsConfig
 ) -> RoundState:
     """Past the deadline and still below quorum, sites that joined after the round opened
     become participants: otherwise a round whose sites died for good could never close."""
@@ -117,7 +139,7 @@ def admit_latecomers(
     return replace(state, participants=state.participants | frozenset(newcomers))
 
 
-def decide_close(now: float, state: RoundState, live: set[str], opts: RoundOptions) -> Decision:
+def decide_close(now: float, state: RoundState, live: set[str], opts: RoundsConfig) -> Decision:
     """Whether the open round closes now, and why (or why not)."""
     if state.opened_at is None or state.closed:
         return Decision(False, "round not open")

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
@@ -40,12 +41,38 @@ from strategies.base import (
     check_outer_result,
     float32_bytes,
 )
+from wire import config_table as ct
 
 METHODS = ("mean", "median", "trimmed_mean")
 
 
 class AggregationError(StrategyError):
     """The round's updates cannot be combined as configured; the message names the key."""
+
+
+@dataclass(frozen=True)
+class AggregationConfig:
+    """The ``[aggregation]`` table: how the round's updates are screened and combined."""
+
+    method: str = ct.setting("mean", check=ct.one_of(METHODS))
+    trim_fraction: float = ct.setting(
+        0.2, check=ct.rule(lambda v: 0 <= v < 0.5, "must be in [0, 0.5)")
+    )
+    clip_norm: float = ct.setting(0.0, check=ct.non_negative)  # > 0: at most this L2 norm
+    outlier_zscore: float = ct.setting(0.0, check=ct.non_negative)  # > 0: reject outlier norms
+    max_buffer_bytes: int = ct.setting(8 << 30, check=ct.positive)
+
+    @classmethod
+    def from_table(cls, data: Any) -> AggregationConfig:
+        """Read ``[aggregation]``; a ``trim_fraction`` that the method would ignore is refused,
+        since whoever wrote it expects it to do something."""
+        cfg = ct.load_table(cls, data, "aggregation")
+        if "trim_fraction" in data and cfg.method != "trimmed_mean":
+            raise ct.ConfigError(
+                f"aggregation.trim_fraction: only used with method = 'trimmed_mean' (method is "
+                f"{cfg.method!r})"
+            )
+        return cfg
 
 
 def weighted_mean_of(updates: Sequence[SiteUpdate], like: Tensors) -> tuple[Tensors, float]:
@@ -116,29 +143,19 @@ def _outliers(norms: dict[str, float], threshold: float) -> dict[str, str]:
 class RobustAggregator:
     """Screens, clips and combines a round's updates (see the module docstring)."""
 
-    def __init__(
-        self,
-        method: str = "mean",
-        trim_fraction: float = 0.2,
-        clip_norm: float = 0.0,
-        outlier_zscore: float = 0.0,
-        max_buffer_bytes: int = 8 << 30,
-    ) -> None:
-        if method not in METHODS:
-            raise AggregationError(f"aggregation.method: expected one of {METHODS}, got {method!r}")
-        if not 0 <= trim_fraction < 0.5:
-            raise AggregationError(
-                f"aggregation.trim_fraction: must be in [0, 0.5), got {trim_fraction}"
-            )
-        self.method, self.trim_fraction = method, trim_fraction
-        self.clip_norm, self.outlier_zscore = clip_norm, outlier_zscore
-        self.max_buffer_bytes = max_buffer_bytes
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Takes ``AggregationConfig``'s fields, by position or name, and checks them as a
+        config file's would be (its defaults and rules are the only copy)."""
+        cfg = AggregationConfig(*args, **kwargs)
+        ct.check_fields(cfg, "aggregation", AggregationError)
+        self.config = cfg
+        self.method, self.trim_fraction = cfg.method, cfg.trim_fraction
+        self.clip_norm, self.outlier_zscore = cfg.clip_norm, cfg.outlier_zscore
+        self.max_buffer_bytes = cfg.max_buffer_bytes
 
     @classmethod
-    def from_config(cls, cfg) -> RobustAggregator:
-        return cls(
-            cfg.method, cfg.trim_fraction, cfg.clip_norm, cfg.outlier_zscore, cfg.max_buffer_bytes
-        )
+    def from_config(cls, cfg: AggregationConfig) -> RobustAggregator:
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(AggregationConfig)})
 
     def streams(self, strategy: Strategy) -> bool:
         """Whether updates can be summed as they arrive: the weighted mean, each update on its
