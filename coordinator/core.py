@@ -243,6 +243,7 @@ class CoordinatorCore:
         with self._locked() as s:
             self.members.check(site, token, self.clock())
             call = s.watchers[site] = s.watchers.get(site, 0) + 1
+            s.changed()  # an older call of this site ends now
             while True:
                 info = self.round_info(site)
                 changed = known is None or any(info.get(k, "") != known.get(k) for k in INFO_FIELDS)
