@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,37 +94,116 @@ def save_site_checkpoint(
     SiteCheckpointError
         Writing failed on some rank; any previous checkpoint at ``path`` is untouched.
     """
+    staged = stage_state(model, optimizer, copy=False)
+    try:
+        return write_staged(path, staged, extra, config=config)
+    finally:
+        staged.release(optimizer)
+
+
+@dataclass
+class Staged:
+    """A rank's model and optimiser state, ready for DCP; ``fresh``: the optimiser had no state
+    and DCP's zero-lr step made some, which must not be left behind."""
+
+    state: dict
+    fresh: bool
+
+    def release(self, optimizer: torch.optim.Optimizer | None) -> None:
+        if self.fresh and optimizer is not None:
+            optimizer.state.clear()
+
+
+def stage_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, copy: bool) -> Staged:
+    """The state to save; with ``copy`` a snapshot (training may go on while it is written)."""
+    state, fresh = _state_dict(model, optimizer)
+    if copy:
+        state = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
+    return Staged(state, fresh)
+
+
+def write_staged(
+    path: str | os.PathLike,
+    staged: Staged,
+    extra: Extra | None = None,
+    *,
+    config: SiteCheckpointConfig | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> Path:
+    """Write a staged state to ``path`` atomically; collective over ``group`` (default: the
+    site's process group)."""
     cfg = config or SiteCheckpointConfig()
     path = Path(path).absolute()
     encoded = {k: _encode(k, v) for k, v in (extra or {}).items()}
     tmp = path.parent / f".{path.name}.partial"
-    _run_on_rank0(lambda: (shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True)), tmp)
-    state, fresh = _state_dict(model, optimizer)
+    mkdir = lambda: (shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True))  # noqa: E731
+    _run_on_rank0(mkdir, tmp, group)
     try:
         with _single_process_ok():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=cfg.fsync))
+            writer = dcp.FileSystemWriter(tmp, sync_files=cfg.fsync)
+            on_group = {"process_group": group} if group is not None else {}
+            dcp.save(staged.state, storage_writer=writer, **on_group)
     except (Exception, CheckpointException) as exc:
         raise SiteCheckpointError(f"cannot write site checkpoint {path}: {_describe(exc)}") from exc
-    finally:
-        if fresh:
-            # Saving must not leave the fake step DCP used to build optimiser state behind.
-            optimizer.state.clear()
     # Every rank lists the directory, so all must see every rank's files (and DCP's metadata).
-    _all_ok(True)
-    digests = _hash_files(tmp, sorted(_list_files(tmp)), cfg.fsync)
+    _all_ok(True, group)
+    digests = _hash_files(tmp, sorted(_list_files(tmp)), cfg.fsync, group)
     unreadable = [name for name, d in digests.items() if d["size"] < 0]
     if unreadable:
         raise SiteCheckpointError(f"cannot write site checkpoint {path}: {unreadable[0]} vanished")
     manifest = {
         "format": _FORMAT,
-        "world_size": _world(),
-        "has_optimizer": optimizer is not None,
-        "optimizer_initialised": not fresh,
+        "world_size": _world(group),
+        "has_optimizer": "optim" in staged.state,
+        "optimizer_initialised": not staged.fresh,
         "extra": encoded,
         "files": digests,
     }
-    _run_on_rank0(lambda: _publish(tmp, path, manifest, cfg.fsync), path)
+    _run_on_rank0(lambda: _publish(tmp, path, manifest, cfg.fsync), path, group)
     return path
+
+
+class AsyncCheckpointer:
+    """Site checkpoints written in the background while training goes on.
+
+    ``save`` snapshots the rank's state (a copy of its shard of the model and optimiser) and
+    returns; a thread writes it with the usual atomic protocol, on a process group of its own
+    so that its collectives never interleave with training's. At most one write is in flight:
+    the next ``save`` waits for the previous one. ``on_done`` runs (in the writer thread) once
+    the checkpoint is complete on disk.
+    """
+
+    def __init__(self, config: SiteCheckpointConfig | None = None) -> None:
+        self.config = config
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="site-checkpoint")
+        self._last: Future | None = None
+
+    def save(self, path, model, optimizer, extra: Extra | None = None, on_done=None) -> Future:
+        self.wait()
+        staged = stage_state(model, optimizer, copy=True)
+        staged.release(optimizer)
+
+        def write() -> Path:
+            written = write_staged(path, staged, extra, config=self.config, group=self.group)
+            if on_done is not None:
+                on_done(written)
+            return written
+
+        self._last = self._thread.submit(write)
+        return self._last
+
+    def wait(self) -> None:
+        """Block until the last save is on disk; re-raise its error."""
+        if self._last is not None:
+            last, self._last = self._last, None
+            last.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._thread.shutdown(wait=True)
 
 
 def load_site_checkpoint(
@@ -269,9 +349,11 @@ def _list_files(root: Path) -> list[str]:
     return [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
 
 
-def _hash_files(root: Path, names: list[str], fsync: bool) -> dict[str, dict[str, Any]]:
+def _hash_files(
+    root: Path, names: list[str], fsync: bool, group: dist.ProcessGroup | None = None
+) -> dict[str, dict[str, Any]]:
     """Size and SHA-256 of ``names``; each rank hashes every world-th file and all share."""
-    rank, world = _rank(), _world()
+    rank, world = _rank(group), _world(group)
     table = torch.zeros(len(names), 33, dtype=torch.int64)  # 32 digest bytes, then the size
     for i in range(rank, len(names), world):
         try:
@@ -284,8 +366,8 @@ def _hash_files(root: Path, names: list[str], fsync: bool) -> dict[str, dict[str
             table[i] = 0
             table[i, 32] = -1
     if dist.is_initialized():
-        table = table.to(_device())
-        dist.all_reduce(table)  # every other rank left this rank's rows at zero
+        table = table.to(_device(group))
+        dist.all_reduce(table, group=group)  # every other rank left this rank's rows at zero
         table = table.cpu()
     return {
         name: {"size": row[32], "sha256": bytes(row[:32]).hex() if row[32] >= 0 else "missing"}
@@ -340,38 +422,38 @@ def _single_process_ok():
         yield
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def _rank(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+def _world(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _device() -> torch.device:
+def _device(group: dist.ProcessGroup | None = None) -> torch.device:
     # NCCL only reduces CUDA tensors; every other backend here takes CPU ones.
-    if dist.get_backend() == "nccl":
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _all_ok(ok: bool) -> bool:
+def _all_ok(ok: bool, group: dist.ProcessGroup | None = None) -> bool:
     """True on every rank when ``ok`` is true on every rank; doubles as a barrier."""
     if not dist.is_initialized():
         return ok
-    flag = torch.tensor([1 if ok else 0], device=_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    flag = torch.tensor([1 if ok else 0], device=_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
-def _run_on_rank0(fn, where: Path) -> None:
+def _run_on_rank0(fn, where: Path, group: dist.ProcessGroup | None = None) -> None:
     """Run ``fn`` on rank 0 and make every rank raise if it failed."""
     error = None
-    if _rank() == 0:
+    if _rank(group) == 0:
         try:
             fn()
         except Exception as exc:
             error = exc
-    if not _all_ok(error is None):
+    if not _all_ok(error is None, group):
         why = _describe(error) if error else "failed on rank 0"
         raise SiteCheckpointError(f"cannot write site checkpoint {where}: {why}") from error

@@ -9,18 +9,20 @@ last acknowledged byte instead of starting them again.
 from __future__ import annotations
 
 import logging
-import re
-import uuid
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import torch
 
 from site_client.errors import CoordinatorError, PushAborted
-from site_client.theta_fetch import GlobalState, ThetaDownlink
+from site_client.push import UpdatePush, lost_race
+from site_client.theta_fetch import GlobalState, ThetaFetcher
+from site_client.update_payload import UpdatePayload, payload_of
 from wire.backoff import BackoffPolicy, retry
 from wire.channel import open_channel
-from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError, iter_chunks
+from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
 from wire.identity import Bundle
@@ -39,7 +41,7 @@ def _code(exc: BaseException) -> grpc.StatusCode | None:
     return exc.code() if isinstance(exc, grpc.RpcError) else None
 
 
-class CoordinatorClient(ThetaDownlink):
+class CoordinatorClient:
     def __init__(
         self,
         address: str,
@@ -74,7 +76,7 @@ class CoordinatorClient(ThetaDownlink):
         self.join_reply: pb.JoinReply | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.delta_mismatches = 0
+        self.theta = ThetaFetcher(self)
 
     def close(self) -> None:
         self.channel.close()
@@ -88,7 +90,11 @@ class CoordinatorClient(ThetaDownlink):
 
     # ---- retry plumbing -------------------------------------------------------------------
 
-    def _call(self, describe: str, fn: Callable[[], object]):
+    @property
+    def delta_mismatches(self) -> int:
+        return self.theta.delta_mismatches
+
+    def call(self, describe: str, fn: Callable[[], object]):
         """Run ``fn`` with backoff on transient errors; re-join when the lease was fenced."""
 
         def attempt():
@@ -146,10 +152,10 @@ class CoordinatorClient(ThetaDownlink):
         return reply
 
     def join(self) -> pb.JoinReply:
-        return self._call("join", self._join_once)
+        return self.call("join", self._join_once)
 
     def heartbeat(self, progress: pb.Progress | None = None) -> pb.HeartbeatReply:
-        return self._call(
+        return self.call(
             "heartbeat",
             lambda: self.control.Heartbeat(
                 pb.HeartbeatRequest(lease=self.lease, progress=progress),
@@ -169,16 +175,34 @@ class CoordinatorClient(ThetaDownlink):
         self.lease = None
 
     def status(self) -> pb.StatusReply:
-        return self._call(
+        return self.call(
             "status", lambda: self.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s)
         )
 
-    # ---- updates --------------------------------------------------------------------------
+    def wait_round(self, known: pb.RoundInfo | None, timeout_s: float) -> pb.WaitRoundReply:
+        """Block (up to ``timeout_s``) until what this site should do differs from ``known``."""
+
+        def ask() -> pb.WaitRoundReply:
+            req = pb.WaitRoundRequest(lease=self.lease, timeout_s=timeout_s)
+            if known is not None:
+                req.known.CopyFrom(known)
+            return self.control.WaitRound(req, timeout=timeout_s + self.rpc_timeout_s)
+
+        return self.call("wait round", ask)
+
+    # ---- theta and updates ----------------------------------------------------------------
+
+    def fetch(
+        self, version: int | None = None, held: GlobalState | None = None, dest: Path | None = None
+    ) -> GlobalState:
+        """theta (the current version, or ``version``), whole or as the delta from ``held``;
+        into a safetensors file at ``dest`` if given (see ``site_client.theta_fetch``)."""
+        return self.theta.fetch(version, held, dest)
 
     def push(
         self,
         round_number: int,
-        delta: dict[str, torch.Tensor],
+        delta: dict[str, torch.Tensor] | UpdatePayload,
         *,
         weight: float = 1.0,
         base_version: int | None = None,
@@ -187,99 +211,55 @@ class CoordinatorClient(ThetaDownlink):
         compression: CompressionConfig | None = None,
         codec_state: CodecState | None = None,
         abort: Callable[[], bool] | None = None,
+        hold: threading.Event | None = None,
     ) -> pb.PushReply:
         """Send a pseudo-gradient for ``round_number``; resumes from the acknowledged offset.
 
-        With ``compression`` each tensor is encoded by the codec its rules pick, error
-        feedback kept in ``codec_state`` (encoded once: retries resend the same bytes). An
-        update the coordinator already counted (e.g. sent again after a coordinator restart)
-        is reported as delivered.
+        ``delta`` is a built payload (``site_client.update_payload``) or a dict of whole
+        tensors, encoded here by the codec ``compression`` picks for each (error feedback kept
+        in ``codec_state``; encoded once: retries resend the same bytes). An update the
+        coordinator already counted (e.g. sent again after a coordinator restart) is reported
+        as delivered. See ``site_client.push`` for ``abort`` and ``hold``.
 
         Raises
         ------
         PushAborted
-            ``abort()`` became true (it is read between chunks): the stream was ended early,
-            and what arrived stays uncounted.
+            ``abort()`` became true: the stream was ended early, and what arrived stays
+            uncounted.
         CoordinatorError
-            Refused for good. With ``data_unit``, ``ALREADY_EXISTS`` whose message says
-            "committed by" means another copy of the unit won: this update did not count.
+            Refused for good. With ``data_unit``, ``ALREADY_EXISTS`` means another copy of
+            the unit won: this update did not count.
         """
-        if compression is None:
-            manifest, payload = pack(delta)
-        else:
-            manifest, payload = pack_encoded(delta, compression, codec_state or CodecState())
-        self.last_push_bytes = len(payload)
-        upload_id = upload_id or f"r{round_number}-{uuid.uuid4().hex[:16]}"
+        if not isinstance(delta, UpdatePayload):
+            if compression is None:
+                delta = payload_of(*pack(delta))
+            else:
+                delta = payload_of(*pack_encoded(delta, compression, codec_state or CodecState()))
+        self.last_push_bytes = delta.total_bytes
         base = round_number if base_version is None else base_version
-        progress = {"acked": 0, "tries": 0}
+        push = UpdatePush(
+            self,
+            round_number,
+            delta,
+            weight=weight,
+            base_version=base,
+            data_unit=data_unit,
+            upload_id=upload_id,
+            abort=abort,
+            hold=hold,
+        )
+        return push.run()
 
-        def header() -> pb.PushMessage:
-            return pb.PushMessage(
-                header=pb.PushHeader(
-                    lease=self.lease,
-                    round=round_number,
-                    upload_id=upload_id,
-                    data_unit=data_unit,
-                    manifest=manifest.to_proto(),
-                    weight=weight,
-                    base_version=base,
-                )
-            )
-
-        def messages(start: int) -> Iterator[pb.PushMessage]:
-            yield header()
-            for offset, data in iter_chunks(payload, self.chunk_bytes, start=start):
-                if abort is not None and abort():
-                    return  # a short stream is left uncounted by the coordinator
-                yield pb.PushMessage(chunk=pb.Chunk(offset=offset, data=bytes(data)))
-                self.bytes_sent += len(data)
-
-        def attempt() -> pb.PushReply:
-            if abort is not None and abort():
-                raise PushAborted(f"push of round {round_number} {data_unit}: withdrawn")
-            if progress["tries"]:
-                probe = self.stub.Push(iter([header()]), timeout=self.rpc_timeout_s)
-                if probe.complete:  # every byte had arrived: the header alone completed it
-                    return probe
-                progress["acked"] = probe.acked_offset
-            progress["tries"] += 1
-            reply = self.stub.Push(messages(progress["acked"]), timeout=self.transfer_timeout_s)
-            if not reply.complete:
-                if abort is not None and abort():
-                    raise PushAborted(f"push of round {round_number} {data_unit}: withdrawn")
-                progress["acked"] = reply.acked_offset
-                raise ChunkError(f"push incomplete: {reply.message}")
-            return reply
-
-        try:
-            return self._call("push", attempt)
-        except CoordinatorError as exc:
-            if exc.code == grpc.StatusCode.ALREADY_EXISTS:
-                if data_unit and self._lost_race(str(exc)):
-                    raise  # another copy of the unit won the race: ours did not count
-                return pb.PushReply(complete=True, message=f"already counted: {exc}")
-            raise
-
-    def _lost_race(self, message: str) -> bool:
-        """Whether a refused unit was "committed by" another site. After a coordinator
-        restart this site's own earlier commit is replayed, and a resent copy is refused
-        naming this site: that one did count."""
-        winner = re.search(r"committed by ([\w.-]+)", message)
-        return winner is not None and winner.group(1) != self.site
+    def _lost_race(self, winner: str) -> bool:
+        return lost_race(winner, self.site)
 
     def wait_for_round(
-        self,
-        after: int,
-        progress: pb.Progress | None = None,
-        poll_s: float = 0.2,
-        sleep: Callable[[float], None] | None = None,
+        self, after: int, progress: pb.Progress | None = None, poll_s: float = 0.2
     ) -> pb.RoundInfo:
-        """Heartbeat until the coordinator opens a round later than ``after`` (or finishes)."""
-        import time
-
-        sleep = sleep or time.sleep
+        """Heartbeat until the coordinator opens a round later than ``after`` (or finishes);
+        between heartbeats, a WaitRound call returns the moment the round changes."""
         while True:
             info = self.heartbeat(progress).round
             if info.finished or (info.round > after and info.participant):
                 return info
-            sleep(poll_s)
+            self.wait_round(info, timeout_s=poll_s)

@@ -15,12 +15,20 @@ under its condition variable and does the file and network work around it.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
 
 from wire.data_units import UnitError, parse_unit, unit_id
 from wire.proto import isthmus_pb2 as pb
 
-Task = tuple[int, str]
+
+class Task(NamedTuple):
+    """One round of training on one data unit (``""``: the site's own data)."""
+
+    round: int
+    unit: str
 
 
 def unit_index(unit: str) -> int | None:
@@ -48,7 +56,7 @@ def task_of(info: pb.RoundInfo | None) -> Task | None:
     """The task ``info`` asks the site to train now, if any."""
     if info is None or info.finished or not info.participant:
         return None
-    return int(info.round), info.data_unit
+    return Task(int(info.round), info.data_unit)
 
 
 def describe(task: Task) -> str:
@@ -58,17 +66,24 @@ def describe(task: Task) -> str:
 
 @dataclass
 class Upload:
-    """An update the trainers handed over: the file holding theta_r - theta_local and its task.
+    """An update the trainers handed over: the files holding theta_r - theta_local (one per
+    trainer rank) and its task.
 
     ``aborted`` is set (from another thread) when its unit is cancelled while it is pushed;
-    the push reads it between chunks.
+    the push reads it between chunks. ``durable`` is set once the trainers' checkpoint of the
+    task's end is on disk: only then may the update count.
     """
 
     task: Task
-    path: str
+    paths: list[str]
     weight: float
     version: int
     aborted: bool = False
+    durable: threading.Event = field(default_factory=threading.Event)
+
+    def discard_files(self) -> None:
+        for path in self.paths:
+            Path(path).unlink(missing_ok=True)
 
 
 @dataclass
@@ -92,6 +107,8 @@ class TaskBook:
         are over.
     pushing
         Whether the first of ``pending`` is being pushed.
+    durable
+        Tasks whose end the trainers have checkpointed (their update may count).
     """
 
     issued: dict[Task, int] = field(default_factory=dict)
@@ -100,6 +117,7 @@ class TaskBook:
     cancelled: dict[str, int] = field(default_factory=dict)
     open_round: int = -1
     pushing: bool = False
+    durable: set[Task] = field(default_factory=set)
 
     def is_cancelled(self, task: Task) -> bool:
         """Whether ``task`` is a shared-data task cancelled or left behind by its round."""
@@ -113,9 +131,16 @@ class TaskBook:
         return task in self.finished or task in self.pending or self.is_cancelled(task)
 
     def issue(self, task: Task, version: int) -> None:
-        self.issued[task] = version
+        self.issued[Task(*task)] = version
 
-    def submit(self, task: Task, path: str, weight: float) -> str:
+    def checkpointed(self, task: Task) -> None:
+        """The trainers' checkpoint of the end of ``task`` is on disk."""
+        task = Task(*task)
+        self.durable.add(task)
+        if task in self.pending:
+            self.pending[task].durable.set()
+
+    def submit(self, task: Task, paths: list[str] | str, weight: float) -> str:
         """Queue the trainers' update for ``task``.
 
         Returns
@@ -129,13 +154,18 @@ class TaskBook:
         ValueError
             ``task`` was never handed to the trainers.
         """
+        task = Task(*task)
         if task in self.finished or task in self.pending:
             return "duplicate"
         if self.is_cancelled(task):
             return "cancelled"
         if task not in self.issued:
             raise ValueError(f"{describe(task)} is not a task this site handed out")
-        self.pending[task] = Upload(task, path, weight, self.issued[task])
+        files = [paths] if isinstance(paths, str) else list(paths)
+        upload = Upload(task, files, weight, self.issued[task])
+        if task in self.durable:
+            upload.durable.set()
+        self.pending[task] = upload
         return "accepted"
 
     def cancel(self, unit: str, known_round: int) -> tuple[list[Upload], Upload | None]:
@@ -148,7 +178,7 @@ class TaskBook:
             and the one being pushed, if any, now marked ``aborted``: another copy won, so it
             cannot count.
         """
-        rounds = [r for r, u in (*self.issued, *self.pending) if u == unit]
+        rounds = [t.round for t in (*self.issued, *self.pending) if t.unit == unit]
         self.cancelled[unit] = max(known_round, *rounds, self.cancelled.get(unit, -1))
         return self._drop(abort=True)
 

@@ -1,15 +1,21 @@
 """Fetching theta: whole, or as the compressed delta from the version the site holds.
 
-A mixin of ``CoordinatorClient`` (it uses the client's stub, lease, retry plumbing and byte
+A part of ``CoordinatorClient`` (it uses the client's stub, lease, retry plumbing and byte
 counters). The delta is applied with ``wire.downlink.apply_delta``, the same function the
 coordinator used to make its official theta, and the result is checked against the
 coordinator's hash; a mismatch falls back to a whole fetch and names the tensors that differed.
+
+With ``dest`` theta is written straight into a safetensors file there (the stream lands in the
+mapped file, a delta is applied into it), which the trainers then map: no copy of theta beyond
+that file. A whole theta whose payload SHA-256 verifies is the coordinator's, byte for byte, so
+its state hash is not computed again; a rebuilt one is always hashed.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import torch
@@ -18,6 +24,7 @@ from site_client.errors import CoordinatorError
 from wire.chunking import BufferSink, ChunkError, Reassembler
 from wire.downlink import apply_delta, differing
 from wire.proto import isthmus_pb2 as pb
+from wire.safetensors_io import MappedTensors, create_mapped
 from wire.tensors import Manifest, PayloadError, state_hash, unpack
 
 log = logging.getLogger("isthmus.site")
@@ -28,77 +35,127 @@ class GlobalState:
     version: int
     theta: dict[str, torch.Tensor]
     theta_hash: bytes
+    path: Path | None = None  # the safetensors file ``theta`` is mapped from, if any
+    file: MappedTensors | None = None
 
 
-class ThetaDownlink:
-    def fetch(self, version: int | None = None, held: GlobalState | None = None) -> GlobalState:
-        """Download theta (the current version, or ``version``), resuming after breaks.
+class _MappedSink:
+    """Writes a stream, in order, into a new mapped file's data section."""
 
-        With ``held`` (the theta this site holds) the coordinator may send the compressed delta
-        from it instead of the whole state; the result is checked against the coordinator's
-        hash, and a mismatch falls back to a whole fetch, logging the tensors that differed.
-        """
+    def __init__(self, file: MappedTensors) -> None:
+        self.file = file
+        self.view = file.payload()
+        self.pos = 0
+
+    def write(self, data) -> int:
+        n = len(data)
+        self.view[self.pos : self.pos + n] = data
+        self.pos += n
+        return n
+
+
+def _sink_for(manifest: Manifest, delta: bool, dest: Path | None):
+    """Where a payload goes: the theta file itself for a whole theta laid out back to back (as
+    the coordinator serves it), else memory."""
+    if dest is None or delta:
+        return BufferSink(manifest.total_bytes)
+    try:
+        return _MappedSink(create_mapped(dest, manifest))
+    except PayloadError:  # not a safetensors layout: keep it in memory
+        return BufferSink(manifest.total_bytes)
+
+
+class ThetaFetcher:
+    def __init__(self, client) -> None:
+        self.client = client
+        self.delta_mismatches = 0
+
+    def fetch(
+        self, version: int | None = None, held: GlobalState | None = None, dest: Path | None = None
+    ) -> GlobalState:
+        """Download theta (the current version, or ``version``), resuming after breaks."""
         if held is not None and version is not None and held.version == version:
             return held
-        got = self._fetch_payload(version, held.version if held is not None else None)
-        manifest, payload, header = got
+        manifest, sink, header = self._fetch_payload(version, held, dest)
         try:
             if header.HasField("from_version"):
                 if held is None or header.from_version != held.version:
                     raise PayloadError(f"a delta from version {header.from_version} came back")
-                theta = apply_delta(held.theta, manifest, payload)
+                state = self._rebuild(held, manifest, sink.buffer, header, dest)
             else:
-                theta = unpack(manifest, payload)
+                return self._whole(manifest, sink, header, dest)
         except PayloadError as exc:
             raise CoordinatorError(None, f"fetch: bad payload from coordinator: {exc}") from exc
-        state = GlobalState(header.version, theta, header.theta_hash)
-        if state_hash(theta) == header.theta_hash:
+        if state_hash(state.theta) == header.theta_hash:
             return state
-        if not header.HasField("from_version"):
-            raise CoordinatorError(None, "fetch: theta does not match the coordinator's hash")
-        whole = self.fetch(header.version)
+        if dest is not None:
+            dest.unlink(missing_ok=True)  # keep the rebuilt copy readable beside the new one
+        whole = self.fetch(header.version, dest=dest)
         log.error(
             "theta_%d rebuilt from the delta does not match the coordinator's hash; fetched it "
             "whole. Tensors that differed: %s",
             header.version,
-            ", ".join(differing(theta, whole.theta)) or "(none: only the hash)",
+            ", ".join(differing(state.theta, whole.theta)) or "(none: only the hash)",
         )
         self.delta_mismatches += 1
         return whole
 
-    def _fetch_payload(self, version: int | None, from_version: int | None):
-        state: dict = {"manifest": None, "sink": None, "asm": None, "header": None}
+    def _whole(self, manifest: Manifest, sink, header, dest: Path | None) -> GlobalState:
+        if isinstance(sink, _MappedSink):
+            file = sink.file
+            file.flush()
+            return GlobalState(header.version, file.tensors, header.theta_hash, dest, file)
+        theta = unpack(manifest, sink.buffer)
+        state = GlobalState(header.version, theta, header.theta_hash)
+        if state_hash(theta) != header.theta_hash:
+            raise CoordinatorError(None, "fetch: theta does not match the coordinator's hash")
+        return state
+
+    def _rebuild(self, held: GlobalState, manifest, payload, header, dest) -> GlobalState:
+        if dest is None or held.file is None:
+            theta = apply_delta(held.theta, manifest, payload)
+            return GlobalState(header.version, theta, header.theta_hash)
+        file = create_mapped(dest, held.file.manifest)
+        apply_delta(held.theta, manifest, payload, out=file.tensors)
+        file.flush()
+        return GlobalState(header.version, file.tensors, header.theta_hash, dest, file)
+
+    def _fetch_payload(self, version: int | None, held: GlobalState | None, dest: Path | None):
+        c = self.client
+        from_version = held.version if held is not None else None
+        st: dict = {"manifest": None, "sink": None, "asm": None, "header": None}
 
         def attempt():
-            asm = state["asm"]
+            asm = st["asm"]
             offset = asm.received if asm is not None else 0
-            req = pb.FetchRequest(lease=self.lease, offset=offset)
+            req = pb.FetchRequest(lease=c.lease, offset=offset)
             if from_version is not None:
                 req.from_version = from_version
             if version is not None:
                 req.version = version
-            elif state["header"] is not None:
-                req.version = state["header"].version  # continue the version we started
+            elif st["header"] is not None:
+                req.version = st["header"].version  # continue the version we started
             try:
-                receive(self.stub.Fetch(req, timeout=self.transfer_timeout_s), offset)
+                receive(c.stub.Fetch(req, timeout=c.transfer_timeout_s), offset)
             except grpc.RpcError as exc:
-                pinned = version is None and state["header"] is not None
+                pinned = version is None and st["header"] is not None
                 if exc.code() != grpc.StatusCode.NOT_FOUND or not pinned:
                     raise
                 # The version being resumed is no longer served (its round closed meanwhile):
                 # start over on the current one.
-                gone = state["header"].version
-                state.update(manifest=None, sink=None, asm=None, header=None)
+                gone = st["header"].version
+                st.update(manifest=None, sink=None, asm=None, header=None)
                 raise ChunkError(f"version {gone} is gone; fetching anew") from exc
-            state["asm"].finish()
+            st["asm"].finish()
 
         def receive(stream, offset: int) -> None:
             for msg in stream:
                 if msg.HasField("header"):
                     manifest = Manifest.from_proto(msg.header.manifest)
-                    if state["manifest"] is None or state["manifest"].sha256 != manifest.sha256:
-                        sink = BufferSink(manifest.total_bytes)
-                        state.update(
+                    if st["manifest"] is None or st["manifest"].sha256 != manifest.sha256:
+                        delta = msg.header.HasField("from_version")
+                        sink = _sink_for(manifest, delta, dest)
+                        st.update(
                             manifest=manifest,
                             sink=sink,
                             header=msg.header,
@@ -107,11 +164,11 @@ class ThetaDownlink:
                         if offset:
                             raise ChunkError("the coordinator moved to a new payload; restarting")
                     continue
-                state["asm"].add(msg.chunk.offset, msg.chunk.data)
-                self.bytes_received += len(msg.chunk.data)
+                st["asm"].add(msg.chunk.offset, msg.chunk.data)
+                c.bytes_received += len(msg.chunk.data)
 
         try:
-            self._call("fetch", attempt)
+            c.call("fetch", attempt)
         except ChunkError as exc:
             raise CoordinatorError(None, f"fetch: bad payload from coordinator: {exc}") from exc
-        return state["manifest"], state["sink"].buffer, state["header"]
+        return st["manifest"], st["sink"], st["header"]

@@ -26,15 +26,20 @@ may be given a backup copy of a straggler's. When another copy of the unit being
 committed first, ``steps()`` stops early on every rank at the same step, ``rnd.cancelled`` is
 true, nothing is submitted and ``rounds()`` goes on to the next task.
 
-Hand-off to the agent goes through safetensors files in shared memory, never pickle: rank 0
-reads theta_r and the other ranks receive their shards from it (``broadcast_from_rank0``); for
-the update, the full state is gathered on rank 0 (CPU offload) and the difference written once.
-A per-shard hand-off can replace ``_gather_full`` and ``_load_theta`` without changing this API.
+Hand-off to the agent goes through safetensors files in shared memory, never pickle, and no
+rank ever holds the whole model (``site_client.shards``): each rank maps the agent's theta file
+and copies only its own shard of each tensor into the (sharded) model, checking the copy bit for
+bit, and hands back only its own shard of ``theta_r - theta_local`` in a file of its own. This
+holds for whatever DTensor layout the model has (FSDP2, FSDP2 with tensor parallelism on a 2-D
+mesh); a plain tensor (a buffer, an unsharded model) is handed back by rank 0.
 
-Site checkpoints (``torch.distributed.checkpoint``, inner optimiser included) are written when a
-task starts, every ``checkpoint_every`` inner steps, and when its steps are done, so a trainer
-restarted by the launcher resumes where it was, with any number of ranks, provided the agent
-still hands out the same task (same round and unit); otherwise the new task starts afresh.
+Site checkpoints (``torch.distributed.checkpoint``, inner optimiser included) are written every
+``checkpoint_every`` inner steps and when a task's steps are done, in the background
+(``AsyncCheckpointer``): the next round starts while the last one is written. The agent sends a
+task's last chunk only once its end is checkpointed, so a site whose update counted can always
+go on exactly from there. A trainer restarted by the launcher resumes from its newest checkpoint,
+with any number of ranks: mid-task if the agent still hands out the same task, otherwise the
+new task starts from theta with the optimiser state the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -50,26 +55,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 
 from site_client.checkpoint import (
+    AsyncCheckpointer,
     latest_site_checkpoint,
     load_site_checkpoint,
     prune_site_checkpoints,
-    save_site_checkpoint,
     site_checkpoint_path,
 )
 from site_client.faults import ENV as FAULTS_ENV
-from site_client.faults import parse_faults
+from site_client.faults import fault_at, inject, parse_faults
 from site_client.local_ipc import IpcClient
+from site_client.shards import Piece, load_pieces, local_pieces, write_update
 from site_client.tasks import unit_index, unit_name
-from site_client.trainer_round import Round, RoundSpec
-from wire.tensors import state_hash
+from site_client.trainer_round import Round, RoundHooks, RoundSpec
+from wire.safetensors_io import MappedTensors, map_tensors
 
 ENV_SOCKET = "ISTHMUS_AGENT_SOCKET"
 # Checkpoint names are sequence numbers: round * STEP_SLOTS + step for a round's first task
@@ -141,10 +141,12 @@ class SiteSession:
             _init_process_group(backend, self.restart_count)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.checkpoint_every = checkpoint_every
-        # Every rank says hello (to read the job config); only rank 0 drives the rounds.
+        # Every rank says hello (to read the job config); only rank 0 drives the rounds, and
+        # its checkpoint thread tells the agent when a task's end is on disk.
         channel = IpcClient(socket_path)
         hello = channel.call("hello")
         self.ipc = channel if self.rank == 0 else None
+        self._done_ipc = IpcClient(socket_path) if self.rank == 0 else None
         if self.ipc is None:
             channel.close()
         self.site = hello["site"]
@@ -159,6 +161,7 @@ class SiteSession:
         self.faults = parse_faults(os.environ.get(FAULTS_ENV, ""))
         self.faults_fired: set = set()
         self._last_seq = -1
+        self.checkpointer = AsyncCheckpointer()
 
     # ---- the round loop -------------------------------------------------------------------
 
@@ -169,37 +172,22 @@ class SiteSession:
         was cancelled. Ends when the job is finished, with the final theta loaded.
         """
         resume = self._resume(model, optimizer)
-
-        def checkpoint(rnd: Round, step: int) -> None:
-            seq = max(self._last_seq + 1, rnd.number * STEP_SLOTS + step)
-            extra = {
-                "round": rnd.number,
-                "unit": -1 if rnd.data_unit_index is None else rnd.data_unit_index,
-                "step": step,
-                "seq": seq,
-            }
-            save_site_checkpoint(site_checkpoint_path(self.ckpt_dir, seq), model, optimizer, extra)
-            self._last_seq = seq
-            if self.rank == 0:
-                prune_site_checkpoints(self.ckpt_dir, keep_last=2)
-            dist.barrier()
-
+        hooks = self._hooks(model, optimizer)
         while True:
             spec = self._wait_round()
+            theta = map_tensors(Path(spec.theta_path))
+            pieces = local_pieces(model, self.rank)
             if spec.finished:
-                self._load_theta(model, spec)
+                self._load(pieces, theta, spec)
                 self.final = spec
                 return
             if resume and resume[:2] == (spec.round, spec.data_unit) and resume[2] > 0:
-                start = resume[2]
-                theta_r = load_file(spec.theta_path) if self.rank == 0 else {}
+                start = resume[2]  # the model holds the checkpoint of this very task
             else:
                 start = 0
-                theta_r = self._load_theta(model, spec)
+                self._load(pieces, theta, spec)
             resume = None
-            rnd = Round(self, spec, start, checkpoint)
-            if start == 0:
-                checkpoint(rnd, 0)
+            rnd = Round(spec, start, hooks)
             yield rnd
             if rnd.cancelled:
                 continue
@@ -208,9 +196,10 @@ class SiteSession:
                     f"round {spec.round}: the loop over rnd.steps() stopped after "
                     f"{rnd.completed_steps} of {spec.inner_steps} steps"
                 )
-            if start < spec.inner_steps:
-                checkpoint(rnd, spec.inner_steps)
-            self._submit(model, spec, theta_r, rnd.weight)
+            done = start >= spec.inner_steps  # resumed at the task's end: already checkpointed
+            self._submit(pieces, theta, spec, rnd.weight, durable=done)
+            if not done:
+                self._checkpoint(model, optimizer, rnd, spec.inner_steps, task_end=True)
 
     def report(self, **metrics: float) -> None:
         """Send metrics (e.g. validation loss) to the agent's log and ``metrics.jsonl``."""
@@ -218,12 +207,46 @@ class SiteSession:
             self.ipc.call("metrics", **metrics)
 
     def close(self) -> None:
+        self.checkpointer.close()
         if self.ipc:
             self.ipc.close()
+        if self._done_ipc:
+            self._done_ipc.close()
         if dist.is_initialized():
             _leave_together(self.world_size)
 
     # ---- pieces ---------------------------------------------------------------------------
+
+    def _hooks(self, model, optimizer) -> RoundHooks:
+        return RoundHooks(
+            cancel_requested=self._cancel_requested,
+            after_step=self._after_step,
+            checkpoint=lambda rnd, step: self._checkpoint(model, optimizer, rnd, step),
+            settle=self.checkpointer.wait,
+            checkpoint_every=self.checkpoint_every,
+            report=self.report,
+        )
+
+    def _checkpoint(self, model, optimizer, rnd: Round, step: int, task_end: bool = False):
+        """Write a site checkpoint of ``step`` of ``rnd`` in the background."""
+        seq = max(self._last_seq + 1, rnd.number * STEP_SLOTS + step)
+        extra = {
+            "round": rnd.number,
+            "unit": -1 if rnd.data_unit_index is None else rnd.data_unit_index,
+            "step": step,
+            "seq": seq,
+        }
+        task = {"round": rnd.number, "data_unit": rnd.data_unit}
+
+        def written(_path) -> None:
+            prune_site_checkpoints(self.ckpt_dir, keep_last=2)
+            if task_end:
+                self._done_ipc.call("checkpointed", **task)
+
+        on_done = written if self.rank == 0 else None
+        path = site_checkpoint_path(self.ckpt_dir, seq)
+        self.checkpointer.save(path, model, optimizer, extra, on_done=on_done)
+        self._last_seq = seq
 
     def _resume(self, model, optimizer) -> tuple[int, str, int] | None:
         """(round, data unit, step) of the newest site checkpoint, loaded into the model."""
@@ -236,8 +259,8 @@ class SiteSession:
         return round_number, unit_name(int(extra.get("unit", -1))), step
 
     def _wait_round(self) -> RoundSpec:
-        # Rank 0 polls the agent with a short timeout and tells the others each time, so no
-        # collective waits longer than a poll however long the round takes elsewhere.
+        # Rank 0 waits for the agent with a short timeout and tells the others each time, so
+        # no collective waits longer than that however long the round takes elsewhere.
         while True:
             reply = self.ipc.call("wait_round") if self.ipc else {}
             flag = torch.tensor([1 if reply.get("ready") else 0], dtype=torch.int64)
@@ -258,70 +281,68 @@ class SiteSession:
         )
         dist.broadcast(fields, src=0)
         r, v, h, total, finished, unit = (int(x) for x in fields.tolist())
-        return RoundSpec(
-            r,
-            v,
-            h,
-            total,
-            bool(finished),
-            reply.get("theta_path", ""),
-            reply.get("theta_hash", ""),
-            unit_name(unit),
-        )
+        path = self._agree_on(reply.get("theta_path", ""))
+        return RoundSpec(r, v, h, total, bool(finished), path, "", unit_name(unit))
 
-    def _load_theta(self, model, spec: RoundSpec) -> dict[str, torch.Tensor]:
-        """Load theta_r into the (sharded) model; returns theta_r on rank 0."""
-        theta_r = load_file(spec.theta_path) if self.rank == 0 else {}
-        to_load = load_file(spec.theta_path) if self.rank == 0 else {}
-        set_model_state_dict(
-            model,
-            to_load,
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-        )
-        full = self._gather_full(model)
-        if self.rank == 0 and state_hash(full).hex() != spec.theta_hash:
-            raise TrainerError(
-                f"theta_{spec.version} loaded into the model does not match the coordinator's hash"
-            )
-        return theta_r
-
-    def _gather_full(self, model) -> dict[str, torch.Tensor]:
-        return get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-
-    def _submit(self, model, spec: RoundSpec, theta_r: dict, weight: float) -> None:
-        full = self._gather_full(model)
+    def _agree_on(self, text: str) -> str:
+        """Rank 0's ``text`` on every rank (the theta file's path; no pickle)."""
+        raw = torch.zeros(4096, dtype=torch.uint8)
         if self.rank == 0:
-            delta = {
-                k: theta_r[k].to(torch.float32) - v.to(torch.float32)
-                for k, v in full.items()
-                if v.is_floating_point()
-            }
-            unit = f"-{spec.data_unit}" if spec.data_unit else ""
-            name = f"delta-r{spec.round}{unit}-{self.restart_count}.safetensors"
-            path = self.shm_dir / name
-            tmp = path.with_suffix(".tmp")
-            save_file(delta, str(tmp))
-            os.replace(tmp, path)
+            data = text.encode()[:4096]
+            raw[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        dist.broadcast(raw, src=0)
+        return bytes(raw.tolist()).rstrip(b"\0").decode()
+
+    def _load(self, pieces: list[Piece], theta: MappedTensors, spec: RoundSpec) -> None:
+        """Load this rank's shards of theta_version; every rank must load exactly."""
+        wrong = load_pieces(pieces, theta)
+        flag = torch.tensor([0 if wrong else 1], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not flag.item():
+            where = f": {', '.join(wrong[:5])} on rank {self.rank}" if wrong else " on another rank"
+            raise TrainerError(
+                f"theta_{spec.version} loaded into the model does not match the agent's file{where}"
+            )
+
+    def _submit(self, pieces, theta, spec: RoundSpec, weight: float, durable: bool) -> None:
+        """Every rank writes its own shard of the update; rank 0 hands the files over."""
+        unit = f"-{spec.data_unit}" if spec.data_unit else ""
+        stem = f"delta-r{spec.round}{unit}-{self.restart_count}"
+        mine = self.shm_dir / f"{stem}-rank{self.rank}.safetensors"
+        write_update(pieces, theta, mine)
+        dist.barrier()
+        if self.rank == 0:
+            paths = [
+                str(self.shm_dir / f"{stem}-rank{k}.safetensors") for k in range(self.world_size)
+            ]
             self.ipc.call(
                 "submit",
                 round=spec.round,
                 data_unit=spec.data_unit,
-                path=str(path),
+                paths=paths,
                 weight=weight,
+                durable=durable,
             )
         dist.barrier()
 
-    def _progress(self, rnd: Round, step: int) -> bool:
-        """Tell the agent how far ``rnd`` got; on rank 0, whether it says to stop."""
-        if not self.ipc:
-            return False
-        reply = self.ipc.call(
-            "progress",
-            round=rnd.number,
-            data_unit=rnd.data_unit,
-            step=step,
-            loss=rnd.loss if rnd.loss == rnd.loss else 0.0,
-        )
-        return bool(reply.get("cancel"))
+    def _cancel_requested(self, rnd: Round, step: int) -> bool:
+        """Report progress; whether the agent says stop, agreed on by every rank."""
+        cancel = False
+        if self.ipc:
+            reply = self.ipc.call(
+                "progress",
+                round=rnd.number,
+                data_unit=rnd.data_unit,
+                step=step,
+                loss=rnd.loss if rnd.loss == rnd.loss else 0.0,
+            )
+            cancel = bool(reply.get("cancel"))
+        # Rank 0 alone hears the agent; every rank must leave the loop at the same step, or
+        # the ones that go on would wait forever in their next collective.
+        flag = torch.tensor([1 if cancel else 0], dtype=torch.int64)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def _after_step(self, rnd: Round, step: int) -> None:
+        here = (self.site, rnd.number, step, self.rank, self.restart_count)
+        inject(fault_at(self.faults, *here), self.faults_fired)

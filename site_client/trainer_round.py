@@ -1,25 +1,18 @@
 """One task of a site's trainers, as a training script sees it (see ``site_client.trainer``).
 
 A task is an outer round on one data unit. ``Round.steps()`` yields the inner steps still to
-run; after each it reports progress to the agent and learns whether the task was cancelled
-(another copy of its unit was committed first), a flag rank 0 broadcasts so that every rank
-leaves the loop at the same step.
+run; after each it reports progress and learns whether the task was cancelled (another copy of
+its unit was committed first), a decision every rank receives, so that all of them leave the
+loop at the same step. What happens around each step (progress, fault injection, periodic site
+checkpoints) is the session's, handed in as ``RoundHooks``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from site_client.faults import fault_at, inject
 from site_client.tasks import unit_index
-
-if TYPE_CHECKING:
-    from site_client.trainer import SiteSession
 
 
 @dataclass
@@ -34,6 +27,36 @@ class RoundSpec:
     theta_path: str = ""
     theta_hash: str = ""
     data_unit: str = ""
+
+
+@dataclass(frozen=True)
+class RoundHooks:
+    """What a round calls back into its session.
+
+    Attributes
+    ----------
+    cancel_requested
+        Report progress at this step; whether to stop (agreed on by every rank).
+    after_step
+        Called once a step is done (fault injection for tests and drills).
+    checkpoint
+        Write a site checkpoint of this step (in the background).
+    settle
+        Wait for the checkpoint being written. Called after every step: a checkpoint overlaps
+        the one inner step after it (or, at a task's end, the WAN sync and the next task's
+        first step), so a crash loses at most that step.
+    checkpoint_every
+        Inner steps between periodic checkpoints (0: only at the end of the task).
+    report
+        Send metrics to the agent.
+    """
+
+    cancel_requested: Callable[[Round, int], bool]
+    after_step: Callable[[Round, int], None]
+    checkpoint: Callable[[Round, int], None]
+    settle: Callable[[], None]
+    checkpoint_every: int
+    report: Callable[..., None]
 
 
 class Round:
@@ -59,8 +82,7 @@ class Round:
         The update's weight (default: the inner steps of the round).
     """
 
-    def __init__(self, session: SiteSession, spec: RoundSpec, start_step: int, ckpt) -> None:
-        self.session = session
+    def __init__(self, spec: RoundSpec, start_step: int, hooks: RoundHooks) -> None:
         self.number = spec.round
         self.data_unit = spec.data_unit
         self.data_unit_index = unit_index(spec.data_unit)
@@ -71,40 +93,31 @@ class Round:
         self.cancelled = False
         self.loss = float("nan")
         self.weight = float(spec.inner_steps)
-        self._ckpt = ckpt
+        self._hooks = hooks
 
     def steps(self) -> Iterator[int]:
         """Inner step numbers still to run in this task; ends early if it is cancelled."""
+        hooks = self._hooks
         if self.start_step < self.inner_steps and self._cancel_requested():
             return
         for step in range(self.start_step, self.inner_steps):
             yield step
             self.completed_steps = step + 1
             cancel = self._cancel_requested()
-            s = self.session
-            here = (s.site, self.number, self.completed_steps, s.rank, s.restart_count)
-            inject(fault_at(s.faults, *here), s.faults_fired)
+            hooks.settle()
+            hooks.after_step(self, self.completed_steps)
             if cancel:
                 return
-            every = s.checkpoint_every
-            if (
-                every
-                and self.completed_steps % every == 0
-                and self.completed_steps < self.inner_steps
-            ):
-                self._ckpt(self, self.completed_steps)
+            every = hooks.checkpoint_every
+            done = self.completed_steps
+            if every and done % every == 0 and done < self.inner_steps:
+                hooks.checkpoint(self, done)
 
     def _cancel_requested(self) -> bool:
-        """Report progress; whether the agent says stop, agreed on by every rank."""
-        cancel = self.session._progress(self, self.completed_steps)
-        # Rank 0 alone hears the agent; every rank must leave the loop at the same step, or
-        # the ones that go on would wait forever in their next collective.
-        flag = torch.tensor([1 if cancel else 0], dtype=torch.int64)
-        dist.broadcast(flag, src=0)
-        self.cancelled = bool(flag.item())
+        self.cancelled = self._hooks.cancel_requested(self, self.completed_steps)
         return self.cancelled
 
     def report(self, **metrics: float) -> None:
         """Send metrics to the agent, tagged with this round (and unit, in shared mode)."""
         unit = {"data_unit": self.data_unit} if self.data_unit else {}
-        self.session.report(round=self.number, **unit, **metrics)
+        self._hooks.report(round=self.number, **unit, **metrics)

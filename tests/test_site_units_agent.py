@@ -18,7 +18,8 @@ from site_client.agent import AgentConfig, SiteAgent
 from site_client.coordinator_client import CoordinatorError, GlobalState, PushAborted
 from site_client.tasks import TaskBook, unit_index, unit_name
 from wire.proto import isthmus_pb2 as pb
-from wire.tensors import pack_encoded, state_hash
+from wire.safetensors_io import map_tensors, write_tensors
+from wire.tensors import state_hash
 
 THETA = {"w": torch.linspace(-1.0, 1.0, 64)}
 # top-k keeps an error-feedback residual: a dropped update must give it back.
@@ -56,15 +57,24 @@ class FakeClient:
             heartbeat_interval_s=0.05,
         )
 
-    def fetch(self, version, held=None) -> GlobalState:
+    def fetch(self, version, held=None, dest=None) -> GlobalState:
         if held is not None and held.version == version:
             return held
         self.fetches.append(version)
-        return GlobalState(version, {k: v.clone() for k, v in THETA.items()}, self.theta_hash)
+        write_tensors(dest, THETA)  # as the real one: straight into the trainers' file
+        file = map_tensors(dest)
+        return GlobalState(version, file.tensors, self.theta_hash, dest, file)
 
-    def push(self, round_number, delta, *, data_unit, codec_state, compression, abort, **kw):
-        pack_encoded(delta, compression, codec_state)  # moves the residuals as the real one
-        self.pushes.append({"round": round_number, "unit": data_unit, **kw})
+    def push(self, round_number, payload, *, weight, base_version, data_unit, abort, hold):
+        # The agent encoded the payload (and moved the residuals) before calling.
+        self.pushes.append(
+            {
+                "round": round_number,
+                "unit": data_unit,
+                "weight": weight,
+                "base_version": base_version,
+            }
+        )
         if self.during_push is not None:
             self.during_push()
         if abort():
@@ -92,13 +102,13 @@ def beat(agent: SiteAgent, info: pb.RoundInfo, *cancel: str) -> None:
 
 
 def wait(agent: SiteAgent) -> dict:
-    return agent._wait_round({"timeout": 0})
+    return agent.channel.wait_round({"timeout": 0})
 
 
 def submit(agent: SiteAgent, tmp: Path, task: tuple[int, str], scale: float = 0.01) -> tuple:
     path = tmp / f"delta-{task[0]}-{task[1] or 'own'}.safetensors"
     save_file({"w": torch.randn(64, generator=torch.Generator().manual_seed(7)) * scale}, path)
-    reply = agent._submit({"round": task[0], "data_unit": task[1], "path": str(path)})
+    reply = agent.channel.submit({"round": task[0], "data_unit": task[1], "path": str(path)})
     return reply, path
 
 
@@ -111,57 +121,57 @@ def train_and_push(agent, tmp, task) -> None:
     offer = wait(agent)
     assert offer["ready"] and (offer["round"], offer["data_unit"]) == task
     assert submit(agent, tmp, task)[0] == {"accepted": True}
-    assert agent._work() == "push"
-    agent._push()
+    assert agent.wan.work() == "push"
+    agent.wan.push()
 
 
 def test_federated_round_is_offered_once_and_pushed_without_a_unit(site) -> None:
     agent, client, tmp = site
     beat(agent, client.info(0, ""))
-    assert agent._work() == "fetch"
-    agent._fetch()
+    assert agent.wan.work() == "fetch"
+    agent.wan.fetch()
     offer = wait(agent)
     assert offer["ready"] and offer["round"] == 0 and offer["data_unit"] == ""
     assert offer["inner_steps"] == 4 and load_file(offer["theta_path"])["w"].equal(THETA["w"])
     assert submit(agent, tmp, (0, ""))[0] == {"accepted": True}
     assert wait(agent) == {"ready": False}  # handed over: not offered again while queued
-    agent._push()
+    agent.wan.push()
     assert client.pushes == [{"round": 0, "unit": "", "weight": 1.0, "base_version": 0}]
-    assert wait(agent) == {"ready": False} and agent._work() is None
+    assert wait(agent) == {"ready": False} and agent.wan.work() is None
     # A trainer restarted after submitting hands the same round over again: not pushed twice.
     reply, path = submit(agent, tmp, (0, ""))
     assert reply == {"accepted": True, "duplicate": True} and not path.exists()
-    assert agent._progress({"round": 0, "step": 4}) == {}
+    assert agent.channel.progress({"round": 0, "step": 4}) == {}
     # The next round needs a fetch, then is offered.
     beat(agent, client.info(1, ""))
-    assert agent._work() == "fetch"
-    agent._fetch()
+    assert agent.wan.work() == "fetch"
+    agent.wan.fetch()
     assert wait(agent)["round"] == 1
 
 
 def test_cancel_while_training_stops_the_trainers_and_refuses_their_update(site) -> None:
     agent, client, tmp = site
-    agent._fetch()
+    agent.wan.fetch()
     offer = wait(agent)
     assert (offer["round"], offer["data_unit"]) == (0, "u0")
-    assert agent._progress({"round": 0, "data_unit": "u0", "step": 1}) == {}
+    assert agent.channel.progress({"round": 0, "data_unit": "u0", "step": 1}) == {}
     beat(agent, client.info(0, "u0"), "u0")
-    assert agent._progress({"round": 0, "data_unit": "u0", "step": 2}) == {"cancel": True}
+    assert agent.channel.progress({"round": 0, "data_unit": "u0", "step": 2}) == {"cancel": True}
     # The same round number on another unit is not affected.
-    assert agent._progress({"round": 0, "data_unit": "u3", "step": 2}) == {}
+    assert agent.channel.progress({"round": 0, "data_unit": "u3", "step": 2}) == {}
     assert wait(agent) == {"ready": False}  # the cancelled task is not offered again
     reply, path = submit(agent, tmp, (0, "u0"))
     assert reply == {"accepted": True, "cancelled": True} and not path.exists()
-    assert agent._work() is None and client.pushes == []
+    assert agent.wan.work() is None and client.pushes == []
 
 
 def test_cancel_drops_a_queued_update_and_withdraws_one_being_pushed(site) -> None:
     agent, client, tmp = site
-    agent._fetch()
+    agent.wan.fetch()
     wait(agent)
     _, path = submit(agent, tmp, (0, "u0"))
     beat(agent, client.info(0, "u0"), "u0")  # before the WAN thread got to it
-    assert not path.exists() and agent._work() is None and client.pushes == []
+    assert not path.exists() and agent.wan.work() is None and client.pushes == []
 
     # A backup unit, cancelled while its push is under way: withdrawn, residuals given back.
     beat(agent, client.info(0, "u4"))
@@ -172,23 +182,23 @@ def test_cancel_drops_a_queued_update_and_withdraws_one_being_pushed(site) -> No
     wait(agent)
     _, path = submit(agent, tmp, (0, "u9"), scale=1.0)
     client.during_push = lambda: beat(agent, client.info(0, "u9"), "u9")
-    agent._push()
+    agent.wan.push()
     assert [p["unit"] for p in client.pushes] == ["u4", "u9"]
     now = residuals(agent)
     assert now.keys() == delivered.keys() and all(now[k].equal(v) for k, v in delivered.items())
-    assert not path.exists() and agent._work() is None and wait(agent) == {"ready": False}
+    assert not path.exists() and agent.wan.work() is None and wait(agent) == {"ready": False}
 
 
 def test_backup_unit_after_delivering_is_trained_from_the_held_theta(site) -> None:
     agent, client, tmp = site
-    agent._fetch()
+    agent.wan.fetch()
     train_and_push(agent, tmp, (0, "u0"))
     # A heartbeat sent before the push ended still names u0: nothing to do.
     beat(agent, client.info(0, "u0"))
-    assert wait(agent) == {"ready": False} and agent._work() is None
+    assert wait(agent) == {"ready": False} and agent.wan.work() is None
     # Then a backup copy of a straggler's unit, same round and theta: no fetch.
     beat(agent, client.info(0, "u7"))
-    assert agent._work() is None
+    assert agent.wan.work() is None
     train_and_push(agent, tmp, (0, "u7"))
     assert client.fetches == [0]
     assert [(p["round"], p["unit"], p["base_version"]) for p in client.pushes] == [
@@ -201,7 +211,7 @@ def test_backup_unit_after_delivering_is_trained_from_the_held_theta(site) -> No
 
 def test_already_exists_lost_race_restores_residuals_and_is_done(site, caplog) -> None:
     agent, client, tmp = site
-    agent._fetch()
+    agent.wan.fetch()
     train_and_push(agent, tmp, (0, "u0"))
     delivered = residuals(agent)
     client.push_error = CoordinatorError(
@@ -213,7 +223,7 @@ def test_already_exists_lost_race_restores_residuals_and_is_done(site, caplog) -
     now = residuals(agent)
     assert now.keys() == delivered.keys() and all(now[k].equal(v) for k, v in delivered.items())
     assert "lost the race" in caplog.text and "committed by site-2" in caplog.text
-    assert wait(agent) == {"ready": False} and agent._work() is None
+    assert wait(agent) == {"ready": False} and agent.wan.work() is None
     # The delivered update's residuals are what is on disk for a restart.
     saved = load_file(str(agent.cfg.run_dir / "codec_state.safetensors"))
     assert all(saved[k].equal(v) for k, v in delivered.items())
@@ -223,41 +233,41 @@ def test_a_shared_task_ends_when_a_later_round_opens_but_a_federated_one_is_stil
     site,
 ) -> None:
     agent, client, tmp = site
-    agent._fetch()
+    agent.wan.fetch()
     wait(agent)
     beat(agent, client.info(1, "u3"))  # round 0 closed without this site's u0
-    assert agent._progress({"round": 0, "data_unit": "u0", "step": 2}) == {"cancel": True}
+    assert agent.channel.progress({"round": 0, "data_unit": "u0", "step": 2}) == {"cancel": True}
     reply, path = submit(agent, tmp, (0, "u0"))
     assert reply == {"accepted": True, "cancelled": True} and not path.exists()
-    assert agent._work() == "fetch"  # theta_1 for u3; nothing to push
+    assert agent.wan.work() == "fetch"  # theta_1 for u3; nothing to push
     # Queued when the next round opens: dropped unpushed.
-    agent._fetch()
+    agent.wan.fetch()
     wait(agent)
     _, path = submit(agent, tmp, (1, "u3"))
     beat(agent, client.info(2, "u8"))
-    assert not path.exists() and agent._work() == "fetch" and client.pushes == []
+    assert not path.exists() and agent.wan.work() == "fetch" and client.pushes == []
     # Federated: a late update is still sent (the strategy may fold it into the next round).
     beat(agent, client.info(2, ""))
-    agent._fetch()
+    agent.wan.fetch()
     wait(agent)
     _, path = submit(agent, tmp, (2, ""))
     beat(agent, client.info(3, ""))
-    assert agent._progress({"round": 2, "data_unit": "", "step": 4}) == {}
-    assert agent._work() == "push"
-    agent._push()
+    assert agent.channel.progress({"round": 2, "data_unit": "", "step": 4}) == {}
+    assert agent.wan.work() == "push"
+    agent.wan.push()
     assert [(p["round"], p["unit"]) for p in client.pushes] == [(2, "")]
 
 
 def test_a_task_never_handed_out_is_refused(site) -> None:
     agent, client, tmp = site
-    agent._fetch()
+    agent.wan.fetch()
     with pytest.raises(ValueError, match="round 0 unit u9 is not a task"):
         submit(agent, tmp, (0, "u9"))
 
 
 def test_a_malformed_unit_from_the_coordinator_stops_the_site(site) -> None:
     agent, client, tmp = site
-    agent._fetch()
+    agent.wan.fetch()
     beat(agent, client.info(0, "unit-3"))
     assert "malformed data unit 'unit-3'" in agent.error
     with pytest.raises(RuntimeError, match="malformed"):

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from site_client.agent import AgentConfig, SiteAgent
 from site_client.checkpoint import MANIFEST
 from site_client.coordinator_client import GlobalState
 from wire.proto import isthmus_pb2 as pb
+from wire.safetensors_io import map_tensors, write_tensors
 from wire.tensors import state_hash
 
 pytestmark = pytest.mark.e2e
@@ -100,15 +102,25 @@ class ScriptedCoordinator:
                 )
             return pb.HeartbeatReply(round=self.info("u1" if self.cancelled else "u0"))
 
-    def fetch(self, version, held=None) -> GlobalState:
+    def wait_round(self, known, timeout_s) -> pb.WaitRoundReply:
+        time.sleep(min(timeout_s, 0.05))
+        reply = self.heartbeat()
+        return pb.WaitRoundReply(round=reply.round, commands=reply.commands)
+
+    def fetch(self, version, held=None, dest=None) -> GlobalState:
         if held is not None and held.version == version:
             return held
         t = theta(version)
-        return GlobalState(version, t, state_hash(t))
+        write_tensors(dest, t)  # as the real one: straight into the trainers' file
+        file = map_tensors(dest)
+        return GlobalState(version, file.tensors, state_hash(t), dest, file)
 
-    def push(self, round_number, delta, **kw) -> pb.PushReply:
+    def push(self, round_number, payload, *, hold=None, abort=None, **kw) -> pb.PushReply:
+        # As the real one: the update counts once the site's checkpoint of its end is on disk.
+        assert hold is not None and hold.wait(60), "the trainers never checkpointed the task"
+        keys = sorted({e.name for e in payload.manifest.entries})
         with self.lock:
-            self.pushes.append({"round": round_number, "keys": sorted(delta), **kw})
+            self.pushes.append({"round": round_number, "keys": keys, **kw})
         return pb.PushReply(complete=True, message="counted")
 
     def leave(self, reason="") -> None:

@@ -1,0 +1,117 @@
+"""What a site agent knows, shared by its threads under one condition variable.
+
+The agent's parts (the trainer channel, the WAN worker, the heartbeat and round-watch loops in
+``site_client.agent``) read and change this state only while holding ``cond``, and notify it
+when they change something another part may be waiting for. Taking in what the coordinator says
+(a round, a cancelled data unit) happens here, so the rules for dropping work that is no longer
+wanted live in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from site_client.tasks import Task, TaskBook, Upload, describe, unit_index
+from site_client.theta_fetch import GlobalState
+from wire.proto import isthmus_pb2 as pb
+
+log = logging.getLogger("isthmus.site")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    site: str
+    run_dir: Path
+    shm_dir: Path
+    inner_steps: int | None = None  # None: the job's H
+    wait_poll_s: float = 1.0
+
+
+def default_shm_dir(site: str) -> Path:
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    return base / f"isthmus-{site}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class Offer:
+    """theta_version as published to the trainers: the file they map, its hash."""
+
+    round: int
+    version: int
+    theta_path: str
+    theta_hash: str
+    finished: bool
+    inner_steps: int
+    total_rounds: int
+
+    def as_reply(self) -> dict:
+        return asdict(self)
+
+
+class AgentState:
+    def __init__(self, site: str) -> None:
+        self.site = site
+        self.cond = threading.Condition()
+        self.info: pb.RoundInfo | None = None  # what the coordinator asks for now
+        self.ready: Offer | None = None  # theta published to the trainers
+        self.held: GlobalState | None = None  # theta as fetched: the base of the next delta
+        self.book = TaskBook()
+        self.progress = pb.Progress(phase="idle")
+        self.error: str | None = None
+        self.stopping = False
+
+    def fail(self, message: str) -> None:
+        log.error("[%s] %s", self.site, message)
+        with self.cond:
+            self.error = message
+            self.cond.notify_all()
+
+    def take_round(self, info: pb.RoundInfo) -> None:
+        """Adopt ``info`` (called under ``cond``); a malformed data unit stops the site."""
+        try:
+            unit_index(info.data_unit)
+        except ValueError as exc:
+            self.error = f"the coordinator asked for round {info.round}: {exc}"
+            log.error("[%s] %s", self.site, self.error)
+        self.info = info
+        book = self.book
+        left = [t for t in book.issued if t.unit and t.round < info.round and not book.done(t)]
+        what = self.let_go(left, book.advance(info.round), None)
+        if what:
+            log.info("[%s] round %d is open: %s", self.site, info.round, "; ".join(what))
+        self.cond.notify_all()
+
+    def cancel(self, unit: str) -> None:
+        """Another copy of ``unit`` was committed first (called under ``cond``)."""
+        training = [t for t in self.book.issued if t.unit == unit and not self.book.done(t)]
+        known = self.info.round if self.info is not None else 0
+        what = self.let_go(training, *self.book.cancel(unit, known))
+        log.info(
+            "[%s] unit %s was committed by another site first: %s",
+            self.site,
+            unit,
+            "; ".join(what) or "nothing of it here",
+        )
+        self.cond.notify_all()
+
+    def heard(self, info: pb.RoundInfo, commands) -> None:
+        """Take in a reply from the coordinator: the task asked for now, the units cancelled."""
+        with self.cond:
+            self.take_round(info)
+            for command in commands:
+                if command.WhichOneof("kind") == "cancel_unit":
+                    self.cancel(command.cancel_unit)
+
+    def let_go(self, training: list[Task], dropped: list[Upload], aborted: Upload | None):
+        """Delete the files of updates no longer wanted; say what stopped, for the log."""
+        for upload in dropped:
+            upload.discard_files()
+        what = [f"stopping the trainers on {describe(t)}" for t in training]
+        what += [f"dropped the queued update of {describe(u.task)}" for u in dropped]
+        if aborted is not None:
+            what.append(f"withdrawing the push of {describe(aborted.task)}")
+        return what

@@ -1,0 +1,126 @@
+"""Pushing one update: a resumable client stream, withdrawn on request, committed on cue.
+
+A part of ``CoordinatorClient``. The stream is the header, then the payload in chunks; after a
+break a header-only probe asks how much arrived and the next stream resumes there. ``abort`` is
+read between chunks (another copy of the data unit won: stop sending). ``hold`` keeps the last
+chunk back until it is set (the site's checkpoint of the task is on disk): the coordinator
+counts an update only when its last byte arrives, so everything but one chunk crosses the WAN
+while the checkpoint is written.
+
+A refusal because the unit was already committed carries the winner's name in trailing metadata
+(``isthmus-committed-by``); if it is this site (its own earlier copy, replayed after a
+coordinator restart) the update did count.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from site_client.errors import CoordinatorError, PushAborted
+from site_client.update_payload import UpdatePayload
+from wire.chunking import ChunkError
+from wire.proto import isthmus_pb2 as pb
+
+COMMITTED_BY = "isthmus-committed-by"
+
+
+def committed_by(exc: BaseException) -> str:
+    """The winning site named in a refusal's trailing metadata ("" if none)."""
+    cause = exc.__cause__ if isinstance(exc, CoordinatorError) else exc
+    meta = cause.trailing_metadata() if isinstance(cause, grpc.RpcError) else None
+    return next((str(v) for k, v in meta or () if k == COMMITTED_BY), "")
+
+
+class UpdatePush:
+    """One update's upload; ``run`` returns the coordinator's reply."""
+
+    def __init__(
+        self,
+        client,
+        round_number: int,
+        payload: UpdatePayload,
+        *,
+        weight: float,
+        base_version: int,
+        data_unit: str,
+        upload_id: str | None = None,
+        abort: Callable[[], bool] | None = None,
+        hold: threading.Event | None = None,
+    ) -> None:
+        self.client, self.round, self.payload = client, round_number, payload
+        self.weight, self.base, self.unit = weight, base_version, data_unit
+        self.upload_id = upload_id or f"r{round_number}-{uuid.uuid4().hex[:16]}"
+        self.abort = abort or (lambda: False)
+        self.hold = hold
+        self.acked, self.tries = 0, 0
+
+    def header(self) -> pb.PushMessage:
+        return pb.PushMessage(
+            header=pb.PushHeader(
+                lease=self.client.lease,
+                round=self.round,
+                upload_id=self.upload_id,
+                data_unit=self.unit,
+                manifest=self.payload.manifest.to_proto(),
+                weight=self.weight,
+                base_version=self.base,
+            )
+        )
+
+    def messages(self, start: int) -> Iterator[pb.PushMessage]:
+        yield self.header()
+        total = self.payload.total_bytes
+        for offset, data in self.payload.chunks(start, self.client.chunk_bytes):
+            if self.abort():
+                return  # a short stream is left uncounted by the coordinator
+            if offset + len(data) == total and not self._wait_for_hold():
+                return
+            yield pb.PushMessage(chunk=pb.Chunk(offset=offset, data=bytes(data)))
+            self.client.bytes_sent += len(data)
+
+    def _wait_for_hold(self) -> bool:
+        """Before the last chunk: wait for ``hold``; False if withdrawn meanwhile."""
+        while self.hold is not None and not self.hold.wait(0.1):
+            if self.abort():
+                return False
+        return True
+
+    def attempt(self) -> pb.PushReply:
+        c = self.client
+        if self.abort():
+            raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
+        if self.tries:
+            probe = c.stub.Push(iter([self.header()]), timeout=c.rpc_timeout_s)
+            if probe.complete:  # every byte had arrived: the header alone completed it
+                return probe
+            self.acked = probe.acked_offset
+        self.tries += 1
+        reply = c.stub.Push(self.messages(self.acked), timeout=c.transfer_timeout_s)
+        if not reply.complete:
+            if self.abort():
+                raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
+            self.acked = reply.acked_offset
+            raise ChunkError(f"push incomplete: {reply.message}")
+        return reply
+
+    def run(self) -> pb.PushReply:
+        try:
+            return self.client.call("push", self.attempt)
+        except CoordinatorError as exc:
+            if exc.code != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+            winner = committed_by(exc)
+            if self.unit and lost_race(winner, self.client.site):
+                raise  # another copy of the unit won the race: ours did not count
+            return pb.PushReply(complete=True, message=f"already counted: {exc}")
+
+
+def lost_race(winner: str, site: str) -> bool:
+    """Whether a refused unit was committed by another site. After a coordinator restart this
+    site's own earlier commit is replayed, and a resent copy is refused naming this site:
+    that one did count."""
+    return bool(winner) and winner != site

@@ -1,0 +1,153 @@
+"""What the trainers ask the site agent, over ``site_client.local_ipc`` (JSON lines).
+
+Rank 0 of the site's trainers drives the rounds; every rank says ``hello``.
+
+``hello``
+    -> ``site``, ``run_dir``, ``shm_dir``, ``job_config`` (TOML text).
+``wait_round`` (``timeout`` seconds, default the agent's poll)
+    -> ``{"ready": false}``, or ``ready`` with the next task not yet done: ``round``,
+    ``data_unit`` (``""`` in federated mode), ``version``, ``theta_path``, ``theta_hash``,
+    ``inner_steps``, ``total_rounds``, ``finished`` (the job is over: ``theta_path`` is the
+    final theta and there is no task). ``theta_path`` is a safetensors file every rank maps.
+``progress`` (``round``, ``data_unit``, ``step``, ``loss``)
+    -> ``{"cancel": true}`` once that task's unit was committed by another site (stop, do
+    not submit), else ``{}``.
+``submit`` (``round``, ``data_unit``, ``paths`` (one shard file per rank, or ``path``: one
+file of whole tensors), ``weight``, ``durable``)
+    -> ``{"accepted": true}``, plus ``duplicate`` or ``cancelled`` when the update is not
+    wanted (its files are deleted). A task never handed out is an error. ``durable``: the
+    task's site checkpoint is already on disk (a trainer that resumed at the task's end).
+``checkpointed`` (``round``, ``data_unit``)
+    -> ``{}``; the site checkpoint at the end of that task is complete on disk: its update
+    may count now (its push sends its last chunk).
+``metrics`` (any numbers)
+    -> ``{}``; appended to ``run_dir/metrics.jsonl`` and logged.
+
+A reply ``{"error": ...}`` means the request was refused (``IpcError`` in the trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from site_client.agent_state import AgentConfig, AgentState
+from site_client.local_ipc import Handler
+from site_client.tasks import Task, task_of
+
+log = logging.getLogger("isthmus.site")
+
+
+class TrainerChannel:
+    """The agent's answers to its trainers."""
+
+    def __init__(self, state: AgentState, cfg: AgentConfig) -> None:
+        self.state, self.cfg = state, cfg
+        self.job_config = ""
+        self._warned_steps = False
+
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "hello": self.hello,
+            "wait_round": self.wait_round,
+            "progress": self.progress,
+            "submit": self.submit,
+            "checkpointed": self.checkpointed,
+            "metrics": self.metrics,
+        }
+
+    def hello(self, req: dict) -> dict:
+        return {
+            "site": self.cfg.site,
+            "run_dir": str(self.cfg.run_dir),
+            "shm_dir": str(self.cfg.shm_dir),
+            "job_config": self.job_config,
+        }
+
+    def offer(self) -> dict | None:
+        """The task for the trainers now, with its theta (called under ``cond``)."""
+        s = self.state
+        r, info = s.ready, s.info
+        if r is None:
+            return None
+        if r.finished:
+            return {**r.as_reply(), "data_unit": ""}
+        task = task_of(info)
+        if task is None or info.version != r.version or s.book.done(task):
+            return None
+        steps = r.inner_steps
+        if self.cfg.inner_steps and self.cfg.inner_steps != steps:
+            if not task.unit:
+                steps = self.cfg.inner_steps
+            elif not self._warned_steps:
+                # A unit is H steps of the shared stream wherever it runs, or copies differ.
+                log.warning(
+                    "[%s] --inner-steps %d ignored in shared-data mode: units are %d steps",
+                    self.cfg.site,
+                    self.cfg.inner_steps,
+                    steps,
+                )
+                self._warned_steps = True
+        reply = r.as_reply()
+        return {**reply, "round": task.round, "data_unit": task.unit, "inner_steps": steps}
+
+    def wait_round(self, req: dict) -> dict:
+        s = self.state
+        timeout = float(req.get("timeout", self.cfg.wait_poll_s))
+        with s.cond:
+            if not s.cond.wait_for(lambda: s.error or self.offer() is not None, timeout=timeout):
+                return {"ready": False}
+            if s.error:
+                raise RuntimeError(s.error)
+            offer = self.offer()
+            if not offer["finished"]:
+                s.book.issue(Task(offer["round"], offer["data_unit"]), offer["version"])
+            return {"ready": True, **offer}
+
+    def progress(self, req: dict) -> dict:
+        task = _task(req)
+        s = self.state
+        with s.cond:
+            s.progress.round = task.round
+            s.progress.inner_step = int(req["step"])
+            s.progress.train_loss = float(req.get("loss", 0.0))
+            s.progress.phase = "training"
+            return {"cancel": True} if s.book.is_cancelled(task) else {}
+
+    def submit(self, req: dict) -> dict:
+        task, s = _task(req), self.state
+        paths = [str(p) for p in req.get("paths") or [req["path"]]]
+        with s.cond:
+            outcome = s.book.submit(task, paths, float(req.get("weight", 1.0)))
+            if outcome != "accepted":
+                for path in paths:
+                    Path(path).unlink(missing_ok=True)
+            if req.get("durable"):
+                s.book.checkpointed(task)
+            s.cond.notify_all()
+        return {"accepted": True} if outcome == "accepted" else {"accepted": True, outcome: True}
+
+    def checkpointed(self, req: dict) -> dict:
+        task, s = _task(req), self.state
+        with s.cond:
+            s.book.checkpointed(task)
+            s.cond.notify_all()
+        return {}
+
+    def metrics(self, req: dict) -> dict:
+        record = {k: v for k, v in req.items() if k != "op"}
+        record["site"] = self.cfg.site
+        with open(self.cfg.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        shown = "  ".join(
+            f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in record.items()
+            if k != "site"
+        )
+        log.info("[%s] %s", self.cfg.site, shown)
+        return {}
+
+
+def _task(req: dict) -> Task:
+    return Task(int(req["round"]), str(req.get("data_unit", "")))

@@ -1,0 +1,188 @@
+"""The agent's WAN worker: fetch theta when a task needs it, push the updates handed over.
+
+Theta arrives straight into a safetensors file in shared memory (``theta-vN.safetensors``),
+whole or rebuilt from the delta to the version held; the trainers map their own boxes of it.
+An update goes up as the trainers' shard files, encoded piece by piece
+(``site_client.update_payload``). Its last chunk waits until the trainers' checkpoint of the
+task is on disk: once the coordinator counts the update, the site can always go on exactly
+from where that update left it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import grpc
+
+from site_client.agent_state import AgentConfig, AgentState, Offer
+from site_client.compression import CODEC_STATE_FILE, save_codec_state
+from site_client.errors import CoordinatorError, PushAborted
+from site_client.tasks import describe, task_of
+from site_client.update_payload import build_payload, residual_snapshot
+from wire.backoff import DeadlineExceeded
+from wire.codecs import CodecState
+from wire.codecs.rules import CompressionConfig
+
+log = logging.getLogger("isthmus.site")
+
+
+class WanWorker:
+    def __init__(
+        self,
+        state: AgentState,
+        client,
+        cfg: AgentConfig,
+        compression: CompressionConfig | None,
+        codec_state: CodecState,
+    ) -> None:
+        self.state, self.client, self.cfg = state, client, cfg
+        self.compression, self.codec_state = compression, codec_state
+
+    def loop(self, interval_s: float) -> None:
+        """The WAN thread: wait for work, do it, until the agent stops or fails."""
+        state = self.state
+        try:
+            while True:
+                with state.cond:
+                    state.cond.wait_for(
+                        lambda: state.stopping or state.error or self.work() is not None,
+                        timeout=interval_s,
+                    )
+                    if state.stopping or state.error:
+                        return
+                    work = self.work()
+                if work == "fetch":
+                    self.fetch()
+                elif work == "push":
+                    self.push()
+        except (CoordinatorError, DeadlineExceeded, OSError) as exc:
+            state.fail(f"WAN transfer failed: {exc}")
+
+    def work(self) -> str | None:
+        """What to do next (called under ``cond``)."""
+        s = self.state
+        if s.info is None:
+            return None
+        if s.book.next_upload() is not None:
+            return "push"
+        task = task_of(s.info)
+        wanted = s.info.finished or (task is not None and not s.book.done(task))
+        if wanted and (s.ready is None or s.ready.version != s.info.version):
+            return "fetch"
+        return None
+
+    def fetch(self) -> None:
+        s = self.state
+        with s.cond:
+            info, held = s.info, s.held
+            s.progress.phase = "fetching"
+        started = time.monotonic()
+        dest = self.cfg.shm_dir / f"theta-v{info.version}.safetensors"
+        try:
+            got = self.client.fetch(info.version, held=held, dest=dest)
+        except CoordinatorError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            # The coordinator moved on since we last heard; ask it where to.
+            log.info("[%s] %s; asking for the round again", self.cfg.site, exc)
+            reply = self.client.heartbeat()
+            s.heard(reply.round, reply.commands)
+            return
+        with s.cond:
+            previous = s.ready
+            s.held = got
+            s.ready = Offer(
+                info.round,
+                got.version,
+                str(got.path),
+                got.theta_hash.hex(),
+                bool(info.finished),
+                info.inner_steps,
+                info.total_rounds,
+            )
+            s.progress.phase = "training"
+            s.cond.notify_all()
+        if previous is not None and previous.theta_path != str(got.path):
+            # Trainers still reading it keep their mapping: the file goes once they let go.
+            Path(previous.theta_path).unlink(missing_ok=True)
+        log.info(
+            "[%s] %s theta_%d (%s) in %.2fs",
+            self.cfg.site,
+            "final" if info.finished else f"round {info.round}:",
+            got.version,
+            got.theta_hash.hex()[:12],
+            time.monotonic() - started,
+        )
+        if info.finished:
+            self.write_final(got.version, got.theta_hash.hex())
+
+    def push(self) -> None:
+        s = self.state
+        with s.cond:
+            job = s.book.start_upload()
+            if job is None:  # cancelled since the WAN thread chose to push it
+                return
+            s.progress.phase = "pushing"
+        started = time.monotonic()
+        sent_before = self.client.bytes_sent
+        residuals = residual_snapshot(self.codec_state)
+        counted = False
+        try:
+            payload = build_payload(job.paths, self.compression, self.codec_state)
+            reply = self.client.push(
+                job.task.round,
+                payload,
+                weight=job.weight,
+                base_version=job.version,
+                data_unit=job.task.unit,
+                abort=lambda: job.aborted,
+                hold=job.durable,
+            )
+            outcome, counted = reply.message, True
+        except PushAborted:
+            outcome = "withdrawn: another copy of its unit was committed first"
+        except CoordinatorError as exc:
+            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                # The round closed without this site (deadline): the strategy's rule for late
+                # updates applies, and the trainers go on with the next task.
+                outcome = f"dropped: {exc}"
+            elif exc.code == grpc.StatusCode.ALREADY_EXISTS:
+                outcome = f"lost the race: {exc}"
+            else:
+                raise
+        self._settle_residuals(job, counted, residuals, outcome)
+        job.discard_files()
+        with s.cond:
+            s.book.end_upload(job)
+            s.progress.phase = "idle"
+            s.cond.notify_all()
+        log.info(
+            "[%s] %s: pushed %.2f MB in %.2fs (%s)",
+            self.cfg.site,
+            describe(job.task),
+            (self.client.bytes_sent - sent_before) / 1e6,
+            time.monotonic() - started,
+            outcome,
+        )
+
+    def _settle_residuals(self, job, counted: bool, residuals, outcome: str) -> None:
+        if counted:
+            # Delivered: the residuals the encoding left are what the next update adds back.
+            save_codec_state(self.cfg.run_dir / CODEC_STATE_FILE, self.codec_state)
+            return
+        # Not counted, so the error it carried was never applied: keep carrying it.
+        self.codec_state.load_state_dict(residuals)
+        log.warning("[%s] %s update not counted: %s", self.cfg.site, describe(job.task), outcome)
+
+    def write_final(self, version: int, theta_hash: str) -> None:
+        final = {
+            "site": self.cfg.site,
+            "version": version,
+            "theta_hash": theta_hash,
+            "wan_bytes_sent": self.client.bytes_sent,
+            "wan_bytes_received": self.client.bytes_received,
+        }
+        (self.cfg.run_dir / "final.json").write_text(json.dumps(final))
