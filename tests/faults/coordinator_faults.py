@@ -58,3 +58,23 @@ def kill_while_checkpointing(c: Cluster) -> None:
     caught = not c.checkpoint_path(ROUND).exists()
     c.restart_coordinator()
     assert caught, "the checkpoint was complete before the kill: the window was missed"
+
+
+def kill_after_publishing(c: Cluster) -> None:
+    """Killed once theta_2 is served (a site fetched it) but before its checkpoint is on disk:
+    the restart recomputes the same theta_2 from the checkpoint of theta_1, round 1's close
+    record and its spool, and the sites that already train on it go on."""
+
+    def served_not_durable():
+        reply = c.status()
+        return (
+            reply is not None
+            and reply.round.version == ROUND + 1
+            and not (c.checkpoint_path(ROUND) / "meta.json").exists()
+        )
+
+    c.wait_for(served_not_durable, 90, "theta_2 served before its checkpoint", interval=0.002)
+    c.kill_coordinator()
+    caught = not (c.checkpoint_path(ROUND) / "meta.json").exists()
+    c.restart_coordinator()
+    assert caught, "the checkpoint of theta_2 was complete before the kill: the window was missed"

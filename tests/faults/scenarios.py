@@ -70,6 +70,12 @@ SCENARIOS: list[Scenario] = [
         coord.kill_while_checkpointing,
         JobSpec(ballast_mib=96),
     ),
+    Scenario(
+        "coordinator killed after publishing, before its checkpoint",
+        coord.kill_after_publishing,
+        JobSpec(ballast_mib=256),
+        slow=False,
+    ),
     Scenario("link cut 30s, lease survives", link.cut_link, JobSpec(lease_ttl_s=60.0)),
     Scenario(
         "link cut 30s, lease expires",
