@@ -85,6 +85,7 @@ class CoordinatorServer:
         self.core = CoordinatorCore(cfg)
         servicer = CoordinatorServicer(self.core, Authorizer(revocations))
         pb_grpc.add_CoordinatorServicer_to_server(servicer, self.server)
+        self.server.add_generic_rpc_handlers((servicer.bulk_handler(),))
         self.exit_code = 0
 
     def run(self) -> int:

@@ -13,14 +13,16 @@ import logging
 import threading
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from coordinator.auth import AuthError, Authorizer
 from coordinator.core import CoordinatorCore
 from coordinator.records import PushHeader, Refused, check_name
 from coordinator.status import status_reply
-from wire.chunking import DEFAULT_CHUNK_BYTES, iter_chunks
+from wire import bulk
+from wire.bulk import chunk_frame, parse_chunk
+from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError, iter_chunks
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 
@@ -201,73 +203,133 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @_refusals_to_status
     def Fetch(self, request: pb.FetchRequest, context):
+        for part in self._fetch_parts(request, context):
+            if isinstance(part, pb.FetchHeader):
+                yield pb.FetchMessage(header=part)
+            else:
+                yield pb.FetchMessage(chunk=pb.Chunk(offset=part[0], data=bytes(part[1])))
+
+    @_refusals_to_status
+    def FetchBulk(self, request: pb.FetchRequest, context):
+        """``isthmus.v1.Bulk/Fetch`` (``wire.bulk``): the same stream as raw frames."""
+        for part in self._fetch_parts(request, context):
+            if isinstance(part, pb.FetchHeader):
+                yield part.SerializeToString()
+            else:
+                yield chunk_frame(*part)
+
+    def _fetch_parts(self, request: pb.FetchRequest, context):
+        """The header, then ``(offset, bytes)`` chunks from the requested offset."""
         self._auth(context, "site", request.lease.site)
         refuse_unknown_fields(request)
         with self._stream_slot("Fetch"):
-            yield from self._fetch(request)
-
-    def _fetch(self, request: pb.FetchRequest):
-        version = request.version if request.HasField("version") else None
-        held = request.from_version if request.HasField("from_version") else None
-        pub, as_delta = self.core.fetch(
-            request.lease.site, request.lease.token, version, request.offset, held
-        )
-        header = pb.FetchHeader(version=pub.version, theta_hash=pub.theta_hash)
-        if as_delta:
-            header.from_version = pub.delta_from
-            header.manifest.CopyFrom(pub.delta_manifest.to_proto())
-            payload = pub.delta_payload
-        else:
-            header.manifest.CopyFrom(pub.manifest.to_proto())
-            payload = pub.payload
-        yield pb.FetchMessage(header=header)
-        for offset, data in iter_chunks(payload, self.chunk_bytes, start=request.offset):
-            yield pb.FetchMessage(chunk=pb.Chunk(offset=offset, data=bytes(data)))
-            self.core.count_sent(len(data))
+            version = request.version if request.HasField("version") else None
+            held = request.from_version if request.HasField("from_version") else None
+            pub, as_delta = self.core.fetch(
+                request.lease.site, request.lease.token, version, request.offset, held
+            )
+            header = pb.FetchHeader(version=pub.version, theta_hash=pub.theta_hash)
+            if as_delta:
+                header.from_version = pub.delta_from
+                header.manifest.CopyFrom(pub.delta_manifest.to_proto())
+                payload = pub.delta_payload
+            else:
+                header.manifest.CopyFrom(pub.manifest.to_proto())
+                payload = pub.payload
+            yield header
+            for offset, data in iter_chunks(payload, self.chunk_bytes, start=request.offset):
+                yield offset, data
+                self.core.count_sent(len(data))
 
     @_refusals_to_status
     def Push(self, request_iterator, context) -> pb.PushReply:
         self._auth(context, "site")
-        with self._stream_slot("Push"):
-            return self._push(request_iterator, context)
 
-    def _push(self, request_iterator, context) -> pb.PushReply:
-        first = next(request_iterator, None)
+        def chunks():
+            for msg in request_iterator:
+                if msg.WhichOneof("kind") != "chunk":
+                    raise Refused("invalid", "a push stream carries one header, then only chunks")
+                refuse_unknown_fields(msg)
+                data = msg.chunk.data  # each access of a bytes field copies it
+                yield msg.chunk.offset, data
+
+        return self._push(next(request_iterator, None), chunks(), context)
+
+    @_refusals_to_status
+    def PushBulk(self, frames, context) -> pb.PushReply:
+        """``isthmus.v1.Bulk/Push`` (``wire.bulk``): a serialised header, then raw chunks."""
+        self._auth(context, "site")
+        first = next(frames, None)
+        try:
+            header = pb.PushMessage.FromString(first) if first is not None else None
+        except DecodeError as exc:
+            raise Refused("invalid", f"a push stream starts with a PushHeader ({exc})") from exc
+
+        def chunks():
+            for frame in frames:
+                try:
+                    yield parse_chunk(frame)
+                except ChunkError as exc:
+                    raise Refused("invalid", str(exc)) from exc
+
+        return self._push(header, chunks(), context)
+
+    def _push(self, first: pb.PushMessage | None, chunks, context) -> pb.PushReply:
         if first is None or first.WhichOneof("kind") != "header":
             raise Refused("invalid", "a push stream starts with a PushHeader")
         self._auth(context, "site", first.header.lease.site)
         refuse_unknown_fields(first)
         h = first.header
-        header = PushHeader(
-            site=h.lease.site,
-            token=h.lease.token,
-            round=h.round,
-            upload_id=h.upload_id,
-            manifest=h.manifest,
-            weight=h.weight,
-            base_version=h.base_version,
-            data_unit=h.data_unit,
-        )
-        upload = self.core.begin_upload(header)
-        try:
-            for msg in request_iterator:
-                if msg.WhichOneof("kind") != "chunk":
-                    raise Refused("invalid", "a push stream carries one header, then only chunks")
-                refuse_unknown_fields(msg)
-                self.core.upload_chunk(upload, msg.chunk.offset, msg.chunk.data, h.lease.token)
-            if not context.is_active():
-                # The stream ended in a message grpc could not decode, or was cancelled: grpc
-                # reports that to the client itself; what arrived stays resumable, uncounted.
-                return pb.PushReply(complete=False, acked_offset=upload.received)
-            if not self.core.finish_upload(upload, h.lease.token):
-                return pb.PushReply(
-                    complete=False,
-                    acked_offset=upload.received,
-                    message=f"{upload.received} of {upload.manifest.total_bytes} bytes received",
+        with self._stream_slot("Push"):
+            upload = self.core.begin_upload(
+                PushHeader(
+                    site=h.lease.site,
+                    token=h.lease.token,
+                    round=h.round,
+                    upload_id=h.upload_id,
+                    manifest=h.manifest,
+                    weight=h.weight,
+                    base_version=h.base_version,
+                    data_unit=h.data_unit,
                 )
-            return pb.PushReply(complete=True, acked_offset=upload.received, message="counted")
-        finally:
-            self.core.release_upload(upload)
+            )
+            try:
+                for offset, data in chunks:
+                    self.core.upload_chunk(upload, offset, data, h.lease.token)
+                return self._finish(upload, h.lease.token, context)
+            finally:
+                self.core.release_upload(upload)
+
+    def _finish(self, upload, token: int, context) -> pb.PushReply:
+        if not context.is_active():
+            # The stream ended in a message grpc could not decode, or was cancelled: grpc
+            # reports that to the client itself; what arrived stays resumable, uncounted.
+            return pb.PushReply(complete=False, acked_offset=upload.received)
+        if not self.core.finish_upload(upload, token):
+            return pb.PushReply(
+                complete=False,
+                acked_offset=upload.received,
+                message=f"{upload.received} of {upload.manifest.total_bytes} bytes received",
+            )
+        return pb.PushReply(complete=True, acked_offset=upload.received, message="counted")
+
+    def bulk_handler(self) -> grpc.GenericRpcHandler:
+        """The ``isthmus.v1.Bulk`` methods, for ``server.add_generic_rpc_handlers``."""
+        return grpc.method_handlers_generic_handler(
+            bulk.SERVICE,
+            {
+                "Fetch": grpc.unary_stream_rpc_method_handler(
+                    self.FetchBulk,
+                    request_deserializer=pb.FetchRequest.FromString,
+                    response_serializer=None,
+                ),
+                "Push": grpc.stream_unary_rpc_method_handler(
+                    self.PushBulk,
+                    request_deserializer=None,
+                    response_serializer=pb.PushReply.SerializeToString,
+                ),
+            },
+        )
 
     @_refusals_to_status
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:

@@ -21,6 +21,7 @@ from site_client.push import UpdatePush, lost_race
 from site_client.theta_fetch import GlobalState, ThetaFetcher
 from site_client.update_payload import UpdatePayload, payload_of
 from wire.backoff import BackoffPolicy, retry
+from wire.bulk import BulkStub
 from wire.channel import open_channel
 from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError
 from wire.codecs import CodecState
@@ -68,6 +69,7 @@ class CoordinatorClient:
         self.on_retry = on_retry
         self.channel = open_channel(address, tls)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.bulk = BulkStub(self.channel)  # theta and updates as raw frames (wire.bulk)
         # Heartbeats on their own connection: behind a multi-megabyte push on a slow link they
         # would wait for the push and the lease would lapse while the site is busy sending.
         self.control_channel = open_channel(address, tls, own_connection=True)
@@ -248,7 +250,10 @@ class CoordinatorClient:
             abort=abort,
             hold=hold,
         )
-        return push.run()
+        try:
+            return push.run()
+        finally:
+            self.last_push_held_s = push.held_s
 
     def _lost_race(self, winner: str) -> bool:
         return lost_race(winner, self.site)

@@ -15,6 +15,7 @@ coordinator restart) the update did count.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -22,6 +23,7 @@ import grpc
 
 from site_client.errors import CoordinatorError, PushAborted
 from site_client.update_payload import UpdatePayload
+from wire.bulk import chunk_frame
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
 
@@ -57,8 +59,9 @@ class UpdatePush:
         self.abort = abort or (lambda: False)
         self.hold = hold
         self.acked, self.tries = 0, 0
+        self.held_s = 0.0  # how long the last chunk waited for ``hold``
 
-    def header(self) -> pb.PushMessage:
+    def header(self) -> bytes:
         return pb.PushMessage(
             header=pb.PushHeader(
                 lease=self.client.lease,
@@ -69,9 +72,10 @@ class UpdatePush:
                 weight=self.weight,
                 base_version=self.base,
             )
-        )
+        ).SerializeToString()
 
-    def messages(self, start: int) -> Iterator[pb.PushMessage]:
+    def frames(self, start: int) -> Iterator[bytes]:
+        """The header, then the chunks from ``start`` (``wire.bulk`` frames)."""
         yield self.header()
         total = self.payload.total_bytes
         for offset, data in self.payload.chunks(start, self.client.chunk_bytes):
@@ -79,27 +83,31 @@ class UpdatePush:
                 return  # a short stream is left uncounted by the coordinator
             if offset + len(data) == total and not self._wait_for_hold():
                 return
-            yield pb.PushMessage(chunk=pb.Chunk(offset=offset, data=bytes(data)))
+            yield chunk_frame(offset, data)
             self.client.bytes_sent += len(data)
 
     def _wait_for_hold(self) -> bool:
         """Before the last chunk: wait for ``hold``; False if withdrawn meanwhile."""
-        while self.hold is not None and not self.hold.wait(0.1):
-            if self.abort():
-                return False
-        return True
+        started = time.monotonic()
+        try:
+            while self.hold is not None and not self.hold.wait(0.1):
+                if self.abort():
+                    return False
+            return True
+        finally:
+            self.held_s += time.monotonic() - started
 
     def attempt(self) -> pb.PushReply:
         c = self.client
         if self.abort():
             raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
         if self.tries:
-            probe = c.stub.Push(iter([self.header()]), timeout=c.rpc_timeout_s)
+            probe = c.bulk.Push(iter([self.header()]), timeout=c.rpc_timeout_s)
             if probe.complete:  # every byte had arrived: the header alone completed it
                 return probe
             self.acked = probe.acked_offset
         self.tries += 1
-        reply = c.stub.Push(self.messages(self.acked), timeout=c.transfer_timeout_s)
+        reply = c.bulk.Push(self.frames(self.acked), timeout=c.transfer_timeout_s)
         if not reply.complete:
             if self.abort():
                 raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")

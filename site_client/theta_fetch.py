@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from site_client.errors import CoordinatorError
+from wire.bulk import parse_chunk
 from wire.chunking import BufferSink, ChunkError, Reassembler
 from wire.downlink import apply_delta, differing
 from wire.proto import isthmus_pb2 as pb
@@ -136,7 +137,7 @@ class ThetaFetcher:
             elif st["header"] is not None:
                 req.version = st["header"].version  # continue the version we started
             try:
-                receive(c.stub.Fetch(req, timeout=c.transfer_timeout_s), offset)
+                receive(c.bulk.Fetch(req, timeout=c.transfer_timeout_s), offset)
             except grpc.RpcError as exc:
                 pinned = version is None and st["header"] is not None
                 if exc.code() != grpc.StatusCode.NOT_FOUND or not pinned:
@@ -148,24 +149,23 @@ class ThetaFetcher:
                 raise ChunkError(f"version {gone} is gone; fetching anew") from exc
             st["asm"].finish()
 
-        def receive(stream, offset: int) -> None:
-            for msg in stream:
-                if msg.HasField("header"):
-                    manifest = Manifest.from_proto(msg.header.manifest)
-                    if st["manifest"] is None or st["manifest"].sha256 != manifest.sha256:
-                        delta = msg.header.HasField("from_version")
-                        sink = _sink_for(manifest, delta, dest)
-                        st.update(
-                            manifest=manifest,
-                            sink=sink,
-                            header=msg.header,
-                            asm=Reassembler(manifest.total_bytes, manifest.sha256, sink),
-                        )
-                        if offset:
-                            raise ChunkError("the coordinator moved to a new payload; restarting")
-                    continue
-                st["asm"].add(msg.chunk.offset, msg.chunk.data)
-                c.bytes_received += len(msg.chunk.data)
+        def receive(frames, offset: int) -> None:
+            header = pb.FetchHeader.FromString(next(frames))  # then raw chunks (wire.bulk)
+            manifest = Manifest.from_proto(header.manifest)
+            if st["manifest"] is None or st["manifest"].sha256 != manifest.sha256:
+                sink = _sink_for(manifest, header.HasField("from_version"), dest)
+                st.update(
+                    manifest=manifest,
+                    sink=sink,
+                    header=header,
+                    asm=Reassembler(manifest.total_bytes, manifest.sha256, sink),
+                )
+                if offset:
+                    raise ChunkError("the coordinator moved to a new payload; restarting")
+            for frame in frames:
+                chunk_offset, data = parse_chunk(frame)
+                st["asm"].add(chunk_offset, data)
+                c.bytes_received += len(data)
 
         try:
             c.call("fetch", attempt)

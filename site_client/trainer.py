@@ -68,6 +68,7 @@ from site_client.faults import fault_at, inject, parse_faults
 from site_client.local_ipc import IpcClient
 from site_client.shards import Piece, load_pieces, local_pieces, write_update
 from site_client.tasks import unit_index, unit_name
+from site_client.timings import record
 from site_client.trainer_round import Round, RoundHooks, RoundSpec
 from wire.safetensors_io import MappedTensors, map_tensors
 
@@ -245,7 +246,9 @@ class SiteSession:
 
         on_done = written if self.rank == 0 else None
         path = site_checkpoint_path(self.ckpt_dir, seq)
+        started = time.monotonic()
         self.checkpointer.save(path, model, optimizer, extra, on_done=on_done)
+        self._timing("checkpoint_staged", started, round=rnd.number, step=step)
         self._last_seq = seq
 
     def _resume(self, model, optimizer) -> tuple[int, str, int] | None:
@@ -293,8 +296,14 @@ class SiteSession:
         dist.broadcast(raw, src=0)
         return bytes(raw.tolist()).rstrip(b"\0").decode()
 
+    def _timing(self, kind: str, started: float, **fields) -> None:
+        if self.rank == 0:
+            seconds = time.monotonic() - started
+            record(self.run_dir / "trainer_timings.jsonl", kind, s=seconds, **fields)
+
     def _load(self, pieces: list[Piece], theta: MappedTensors, spec: RoundSpec) -> None:
         """Load this rank's shards of theta_version; every rank must load exactly."""
+        started = time.monotonic()
         wrong = load_pieces(pieces, theta)
         flag = torch.tensor([0 if wrong else 1], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -303,9 +312,11 @@ class SiteSession:
             raise TrainerError(
                 f"theta_{spec.version} loaded into the model does not match the agent's file{where}"
             )
+        self._timing("load", started, version=spec.version)
 
     def _submit(self, pieces, theta, spec: RoundSpec, weight: float, durable: bool) -> None:
         """Every rank writes its own shard of the update; rank 0 hands the files over."""
+        started = time.monotonic()
         unit = f"-{spec.data_unit}" if spec.data_unit else ""
         stem = f"delta-r{spec.round}{unit}-{self.restart_count}"
         mine = self.shm_dir / f"{stem}-rank{self.rank}.safetensors"
@@ -324,6 +335,7 @@ class SiteSession:
                 durable=durable,
             )
         dist.barrier()
+        self._timing("handoff", started, round=spec.round)
 
     def _cancel_requested(self, rnd: Round, step: int) -> bool:
         """Report progress; whether the agent says stop, agreed on by every rank."""

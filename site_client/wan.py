@@ -21,12 +21,14 @@ from site_client.agent_state import AgentConfig, AgentState, Offer
 from site_client.compression import CODEC_STATE_FILE, save_codec_state
 from site_client.errors import CoordinatorError, PushAborted
 from site_client.tasks import describe, task_of
+from site_client.timings import record
 from site_client.update_payload import build_payload, residual_snapshot
 from wire.backoff import DeadlineExceeded
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
 
 log = logging.getLogger("isthmus.site")
+TIMINGS = "timings.jsonl"
 
 
 class WanWorker:
@@ -80,6 +82,7 @@ class WanWorker:
             info, held = s.info, s.held
             s.progress.phase = "fetching"
         started = time.monotonic()
+        received = self.client.bytes_received
         dest = self.cfg.shm_dir / f"theta-v{info.version}.safetensors"
         try:
             got = self.client.fetch(info.version, held=held, dest=dest)
@@ -105,6 +108,9 @@ class WanWorker:
             )
             s.progress.phase = "training"
             s.cond.notify_all()
+        seconds = time.monotonic() - started
+        got_bytes = self.client.bytes_received - received
+        record(self.cfg.run_dir / TIMINGS, "fetch", version=got.version, s=seconds, bytes=got_bytes)
         if previous is not None and previous.theta_path != str(got.path):
             # Trainers still reading it keep their mapping: the file goes once they let go.
             Path(previous.theta_path).unlink(missing_ok=True)
@@ -114,7 +120,7 @@ class WanWorker:
             "final" if info.finished else f"round {info.round}:",
             got.version,
             got.theta_hash.hex()[:12],
-            time.monotonic() - started,
+            seconds,
         )
         if info.finished:
             self.write_final(got.version, got.theta_hash.hex())
@@ -159,12 +165,23 @@ class WanWorker:
             s.book.end_upload(job)
             s.progress.phase = "idle"
             s.cond.notify_all()
+        sent, seconds = self.client.bytes_sent - sent_before, time.monotonic() - started
+        record(
+            self.cfg.run_dir / TIMINGS,
+            "push",
+            round=job.task.round,
+            unit=job.task.unit,
+            s=seconds,
+            bytes=sent,
+            held_s=getattr(self.client, "last_push_held_s", 0.0),
+            counted=counted,
+        )
         log.info(
             "[%s] %s: pushed %.2f MB in %.2fs (%s)",
             self.cfg.site,
             describe(job.task),
-            (self.client.bytes_sent - sent_before) / 1e6,
-            time.monotonic() - started,
+            sent / 1e6,
+            seconds,
             outcome,
         )
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from site_client.coordinator_client import CoordinatorClient, CoordinatorError, PushAborted
+from wire.bulk import parse_chunk
 from wire.proto import isthmus_pb2 as pb
 
 DELTA = {"w": torch.zeros(1 << 20)}  # 4 MiB: 4 chunks of 1 MiB
@@ -29,20 +30,22 @@ class Refusal(grpc.RpcError):
 
 
 class FakeStub:
-    """Reads the push stream; refuses it, or answers ``complete`` once it all arrived."""
+    """Reads the push stream (``wire.bulk`` frames: a header, then chunks); refuses it, or
+    answers ``complete`` once it all arrived."""
 
     def __init__(self, refusal: Refusal | None = None, on_chunk=None) -> None:
         self.refusal, self.on_chunk = refusal, on_chunk
         self.chunks = 0
 
-    def Push(self, messages, timeout=None) -> pb.PushReply:  # noqa: N802 - gRPC's name
+    def Push(self, frames, timeout=None) -> pb.PushReply:  # noqa: N802 - gRPC's name
         received = 0
-        for msg in messages:
-            if msg.WhichOneof("kind") == "chunk":
-                self.chunks += 1
-                received += len(msg.chunk.data)
-                if self.on_chunk:
-                    self.on_chunk(self.chunks)
+        assert pb.PushMessage.FromString(next(frames)).WhichOneof("kind") == "header"
+        for frame in frames:
+            _, data = parse_chunk(frame)
+            self.chunks += 1
+            received += len(data)
+            if self.on_chunk:
+                self.on_chunk(self.chunks)
         if self.refusal is not None:
             raise self.refusal
         return pb.PushReply(complete=received == 4 << 20, acked_offset=received)
@@ -61,7 +64,7 @@ def refused(details: str, winner: str = "") -> Refusal:
 
 
 def test_a_unit_committed_by_another_site_is_a_lost_race(client) -> None:
-    client.stub = FakeStub(refused("unit u3 was already committed by site-2 in round 0", "site-2"))
+    client.bulk = FakeStub(refused("unit u3 was already committed by site-2 in round 0", "site-2"))
     with pytest.raises(CoordinatorError) as err:
         client.push(0, DELTA, data_unit="u3")
     assert err.value.code == grpc.StatusCode.ALREADY_EXISTS and "site-2" in str(err.value)
@@ -82,7 +85,7 @@ def test_a_unit_committed_by_another_site_is_a_lost_race(client) -> None:
     ],
 )
 def test_other_already_exists_refusals_mean_already_counted(client, unit, details, winner):
-    client.stub = FakeStub(refused(details, winner))
+    client.bulk = FakeStub(refused(details, winner))
     reply = client.push(0, DELTA, data_unit=unit)
     assert reply.complete and reply.message.startswith("already counted")
 
@@ -101,11 +104,11 @@ def test_a_site_whose_name_extends_the_winners_is_not_the_winner() -> None:
 def test_abort_ends_the_stream_early_and_raises(client) -> None:
     withdrawn = {"now": False}
     stub = FakeStub(on_chunk=lambda n: withdrawn.update(now=n >= 2))
-    client.stub = stub
+    client.bulk = stub
     with pytest.raises(PushAborted):
         client.push(0, DELTA, data_unit="u1", abort=lambda: withdrawn["now"])
     assert stub.chunks == 2  # no chunk sent once withdrawn, and no retry
     # Not withdrawn: the whole update goes.
-    client.stub = stub = FakeStub()
+    client.bulk = stub = FakeStub()
     assert client.push(0, DELTA, data_unit="u1", abort=lambda: False).complete
     assert stub.chunks == 4
