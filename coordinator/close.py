@@ -73,13 +73,20 @@ class ClosePipeline:
         started = time.monotonic()
         r = order.round.number
         theta = self.p.state.theta
+        clock = _Phases()
         try:
             if not order.replay:
                 self.record(order)
+            clock.lap("record_s")
             outcome = self.aggregate(order)
+            clock.lap("aggregate_s")
             nxt = self.outer_step(order, theta, outcome)
+            clock.lap("outer_step_s")
             if self.p.downlink is not None:
+                if nxt is theta:  # nothing counted: theta_r is being served, do not write it
+                    nxt = ThetaBuffer.copy_of(theta.tensors)
                 self.p.downlink.step(theta.tensors, nxt.tensors, r)
+            clock.lap("downlink_s")
             strategy_state = check_state(self.p.strategy, call_hook(self.p.strategy, "state_dict"))
         except Exception as exc:
             with self.p.lock:
@@ -90,7 +97,7 @@ class ClosePipeline:
             log.exception("outer step failed; the last checkpoint is unchanged")
             raise FatalError(self.p.state.fatal) from exc
         self._note(r, outcome)
-        theta_hash, closed, meta = self.publish(order, nxt, outcome)
+        theta_hash, closed, meta = self.publish(order, nxt, outcome, clock)
         self.checkpoint(order, nxt, theta_hash, strategy_state, meta)
         log.info(
             "round %d closed (%s): %d update(s), published theta_%d %s in %.2fs",
@@ -159,10 +166,11 @@ class ClosePipeline:
                 buffer.tensors[name].copy_(t)
         return buffer
 
-    def publish(self, order: CloseOrder, nxt: ThetaBuffer, outcome: Outcome):
+    def publish(self, order: CloseOrder, nxt: ThetaBuffer, outcome: Outcome, clock=None):
         """Hash theta_{r+1}, make it the served theta and open the way to round r+1."""
         r = order.round.number
         theta_hash, nxt = hash_theta(nxt)
+        phases = clock.lap("hash_s") if clock is not None else {}
         closed = ClosedRound(r, frozenset(order.round.participants), order.keys, order.reason)
         with self.p.lock:
             s = self.p.state
@@ -192,6 +200,7 @@ class ClosePipeline:
                     reason=order.reason,
                     updates=[k.label for k in order.keys],
                     theta_sha256=theta_hash.hex(),
+                    phases=phases,
                 )
             s.changed()
         self.p.uploads.drop_rounds_before(r + 1)
@@ -221,6 +230,20 @@ class ClosePipeline:
             for key, reason in outcome.rejected.items():
                 log.warning("round %d: update of %s rejected: %s", round_number, key, reason)
                 self.p.state.rejections.append(f"round {round_number}: {key}: {reason}")
+
+
+class _Phases:
+    """Seconds each step of a close took, for the event log (and ``bench.sync``)."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, name: str) -> dict[str, float]:
+        now = time.monotonic()
+        self.seconds[name] = round(now - self.last, 4)
+        self.last = now
+        return dict(self.seconds)
 
 
 class _NoRecord:
