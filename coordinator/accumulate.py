@@ -24,9 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.records import UpdateKey
-from coordinator.spool import SpooledUpdate, read_entry
+from coordinator.spool import SpooledUpdate, read_entry, read_into
 from wire.tensors import entry_tensor
 from wire.theta import ThetaBuffer
+
+_local = threading.local()
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,36 @@ class Folded:
     order: tuple[UpdateKey, ...]
 
 
+FOLD_CHUNK = 1 << 20  # elements; a multiple of every vector width, so chunking is exact
+
+
 def fold_into(acc: Mapping[str, torch.Tensor], update: SpooledUpdate, alpha: float) -> None:
-    """``acc += alpha * update``, tensor by tensor (a piece into its box)."""
+    """``acc += alpha * update``, tensor by tensor (a piece into its box). A raw float32
+    tensor is read and added a chunk at a time (elementwise, so the same bits), so folding
+    holds 4 MiB of scratch rather than a tensor's worth."""
     for e in update.manifest.entries:
         target = acc[e.name][e.box()] if e.is_piece else acc[e.name]
+        if e.codec == "none" and e.dtype == "float32" and target.is_contiguous():
+            _fold_raw(target.view(-1), update, e, alpha)
+            continue
         delta = entry_tensor(e, read_entry(update.path, e))
         target.add_(delta.to(torch.float32), alpha=alpha)
+
+
+def _fold_raw(flat: torch.Tensor, update: SpooledUpdate, e, alpha: float) -> None:
+    scratch = _chunk_scratch()
+    for start in range(0, flat.numel(), FOLD_CHUNK):
+        part = flat[start : start + FOLD_CHUNK]
+        raw = scratch[: part.numel() * 4]
+        read_into(update.path, e.offset + start * 4, raw)
+        part.add_(raw.view(torch.float32), alpha=alpha)
+
+
+def _chunk_scratch() -> torch.Tensor:
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = torch.empty(FOLD_CHUNK * 4, dtype=torch.uint8)
+    return buf
 
 
 def fold_order(slots: Sequence[str], filled: Mapping[str, UpdateKey], tail) -> list[UpdateKey]:

@@ -72,6 +72,7 @@ from wire.config_table import (
     check_listen,
     load_table,
     non_empty,
+    non_negative,
     one_of,
     positive,
     setting,
@@ -130,6 +131,11 @@ class ServerConfig:
     listen: str = setting("127.0.0.1:7070", check=check_listen)
     max_update_bytes: int = setting(8 << 30, check=positive)
     workers: int = setting(32, check=positive)
+    # What one push stream may have in flight towards the coordinator (its HTTP/2 window):
+    # the memory each concurrent upload can hold, and (divided by the RTT) the most one
+    # stream can upload per second. 0: gRPC sizes it from its bandwidth-delay estimate, which
+    # on a busy coordinator grows to tens of MiB per stream.
+    receive_window_bytes: int = setting(8 << 20, check=non_negative)
 
 
 @dataclass(frozen=True)

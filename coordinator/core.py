@@ -69,7 +69,7 @@ class CoordinatorCore:
         self.intake = UpdateIntake(
             self.spool,
             self.uploads,
-            dict(self.state.theta.tensors),
+            {n: t.to("meta") for n, t in self.state.theta.tensors.items()},  # shapes only
             self.trainable,
             cfg.server.max_update_bytes,
             measure_norms=self.aggregator.clip_norm > 0,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from coordinator.records import Admission, PushHeader, Refused
-from coordinator.spool import SpooledUpdate, UpdateSpool, read_entry, read_tensors
+from coordinator.spool import SpooledUpdate, UpdateSpool, read_entry, read_into, read_tensors
 from coordinator.uploads import (
     Upload,
     UploadBusy,
@@ -96,12 +96,22 @@ class UpdateIntake:
         return spooled
 
 
+SCREEN_CHUNK = 4 << 20
+
+
 def screen(upload: Upload) -> None:
-    """Refuse NaN/Inf in raw tensors and codec data that would not decode."""
+    """Refuse NaN/Inf in raw tensors and codec data that would not decode. Raw tensors are
+    read a few MiB at a time, so a verifying thread holds little memory."""
+    buf = torch.empty(SCREEN_CHUNK, dtype=torch.uint8)
     for e in upload.manifest.entries:
-        raw = read_entry(upload.path, e)
-        if e.codec == "none":
-            if e.nbytes and not all_finite(raw.view(DTYPES[e.dtype])):
-                raise ChunkError(f"tensor {e.label!r} contains NaN or Inf values")
-        else:
+        if e.codec != "none":
+            raw = read_entry(upload.path, e, keep=False)
             verify(raw, e.codec_meta, e.numel, codec=e.codec, name=e.label)
+            continue
+        dtype = DTYPES[e.dtype]
+        step = SCREEN_CHUNK // dtype.itemsize * dtype.itemsize
+        for start in range(0, e.nbytes, step):
+            part = buf[: min(step, e.nbytes - start)]
+            read_into(upload.path, e.offset + start, part)
+            if not all_finite(part.view(dtype)):
+                raise ChunkError(f"tensor {e.label!r} contains NaN or Inf values")

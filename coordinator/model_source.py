@@ -67,7 +67,8 @@ def initial_theta(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         raise ConfigError(
             f"model.factory: {cfg.factory} returned {type(model).__name__}, not a torch.nn.Module"
         )
-    return {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
+    # No copy: the module goes once the caller has laid theta out in its buffer.
+    return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
 
 
 def trainable_names(theta: dict[str, torch.Tensor]) -> list[str]:

@@ -38,8 +38,10 @@ log = logging.getLogger("isthmus.coordinator")
 def load(core) -> tuple[CoordinatorState, object, list[str]]:
     cfg = core.cfg
     ckpt = core.store.load_latest()
+    buffer = None
     if ckpt is None:
-        theta = initial_theta(cfg.model)
+        buffer = ThetaBuffer.copy_of(initial_theta(cfg.model))  # the model itself goes now
+        theta = buffer.tensors
         ckpt = Checkpoint(0, theta, {}, {"job": cfg.name}, {}, state_hash(theta))
         core.store.save(ckpt)
         log.info("new job %r: theta_0 has %d tensors", cfg.name, len(theta))
@@ -59,7 +61,7 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
         data = SharedData.from_meta(ckpt.meta, cfg.speculation)
     else:
         data = FederatedData(core.strategy, last_closed)
-    theta = ThetaBuffer.copy_of(ckpt.theta).with_digest()
+    theta = (buffer or ThetaBuffer.copy_of(ckpt.theta)).with_digest()
     theta_hash = ckpt.theta_hash or bytes.fromhex(ckpt.meta["theta_sha256"])
     state = CoordinatorState(
         round=RoundState(number=ckpt.round),

@@ -94,24 +94,33 @@ def _entries_from_json(items: list[dict], total: int, sha: bytes) -> Manifest:
     return Manifest(entries, total, sha)
 
 
-def read_entry(path: Path, e: TensorEntry) -> torch.Tensor:
-    """One entry's bytes as a uint8 tensor, read into this thread's scratch buffer: valid only
-    until the thread's next ``read_entry``."""
-    buf = getattr(_scratch, "buf", None)
+def read_entry(path: Path, e: TensorEntry, keep: bool = True) -> torch.Tensor:
+    """One entry's bytes as a uint8 tensor. With ``keep`` they land in this thread's scratch
+    buffer (reused: valid only until the thread's next ``read_entry``; for the one thread that
+    folds); without, in a new tensor that goes when the caller drops it (for the many threads
+    that verify uploads, which must not each keep a tensor's worth of memory)."""
+    buf = getattr(_scratch, "buf", None) if keep else None
     if buf is None or buf.numel() < e.nbytes:
-        buf = _scratch.buf = torch.empty(max(e.nbytes, 1 << 20), dtype=torch.uint8)
+        buf = torch.empty(max(e.nbytes, 1), dtype=torch.uint8)
+        if keep:
+            _scratch.buf = buf
     out = buf[: e.nbytes]
     if e.nbytes:
-        with open(path, "rb", buffering=0) as f:
-            f.seek(e.offset)
-            view = memoryview(out.numpy())
-            got = 0
-            while got < e.nbytes:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise OSError(f"{path}: ends before tensor {e.label!r}")
-                got += n
+        read_into(path, e.offset, out)
     return out
+
+
+def read_into(path: Path, offset: int, out: torch.Tensor) -> None:
+    """Fill the uint8 tensor ``out`` with the file's bytes from ``offset``."""
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        view = memoryview(out.numpy())
+        got = 0
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                raise OSError(f"{path}: ends at byte {offset + got}")
+            got += n
 
 
 def read_tensors(path: Path, manifest: Manifest):
