@@ -1,0 +1,140 @@
+"""The coordinator's memory over the number of sites: flat, and a small multiple of the model.
+
+::
+
+    python -m bench.scale [--sites 2,4,8,16] [--sizes 64,256] [--rounds 2] [--keep DIR]
+
+For each model size (MiB of float32 parameters: a residual Linear stack) and number of sites, a
+real ``coordinator serve`` runs a DiLoCo job (outer momentum: one more model of state) whose
+sites are lightweight clients in this process speaking the real protocol (join, fetch theta
+once, then push a model-sized float32 pseudo-gradient every round, all at once). The
+coordinator's peak RSS (``VmHWM``) above what a process importing it holds is divided by the
+model's float32 size. Plaintext on loopback: TLS changes the CPU cost, not the memory that
+matters here. Last line::
+
+    coord_rss_over_model_max=... rss_growth_2_to_16=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench.sync_run import _peak_rss, _wait_address, import_baseline_rss, job_config
+
+WIDTHS = {64: (2048, 4), 256: (4096, 4)}  # MiB -> (width, depth): depth * width^2 * 4 bytes
+
+
+def _client_loop(address: str, name: str, rounds: int, payload, errors: list) -> None:
+    from site_client.coordinator_client import CoordinatorClient
+
+    client = CoordinatorClient(address, name)
+    try:
+        client.join()
+        client.fetch()  # theta_0, whole, once
+        for r in range(rounds):
+            client.wait_for_round(r - 1, poll_s=0.2)
+            client.push(r, payload, base_version=r)
+        client.wait_for_round(rounds - 1, poll_s=0.2)
+        client.leave("done")
+    except Exception as exc:  # reported by the caller
+        errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    finally:
+        client.close()
+
+
+def run(folder: Path, mib: int, sites: int, rounds: int) -> int:
+    import subprocess
+    import sys
+
+    import torch
+
+    from bench.sync import residual_stack
+    from bench.sync_run import REPO, _env
+    from site_client.update_payload import payload_of
+    from wire.tensors import pack
+
+    shutil.rmtree(folder, ignore_errors=True)  # a new job every time
+    folder.mkdir(parents=True)
+    width, depth = WIDTHS[mib]
+    text = job_config(
+        width, depth, rounds, 1, "fp32", {"heartbeat_interval_s": 2.0, "lease_ttl_s": 120.0}
+    )
+    text = text.replace("min_sites = 2", f"min_sites = {sites}").replace(
+        "max_sites = 2", f"max_sites = {sites}"
+    )
+    (folder / "job.toml").write_text(text)
+    log = open(folder / "coordinator.log", "w")  # noqa: SIM115 - the child's
+    cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(folder / "job.toml")]
+    coord = subprocess.Popen([*cmd, "--insecure"], cwd=REPO, env=_env(), stdout=log, stderr=log)
+    peak = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set() and coord.poll() is None:
+            peak[0] = max(peak[0], _peak_rss(coord.pid))
+            time.sleep(0.1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        address = _wait_address(folder / "state" / "address", coord)
+        like = residual_stack(width, depth).state_dict()
+        delta = {n: torch.full_like(t, 1e-3) for n, t in like.items()}
+        payload = payload_of(*pack(delta))  # one buffer, pushed by every client
+        errors: list[str] = []
+        threads = [
+            threading.Thread(target=_client_loop, args=(address, f"s{i}", rounds, payload, errors))
+            for i in range(sites)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(1800)
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        coord.wait(timeout=300)
+    finally:
+        done.set()
+        if coord.poll() is None:
+            coord.kill()
+        log.close()
+    return peak[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n")[0])
+    p.add_argument("--sites", default="2,4,8,16")
+    p.add_argument("--sizes", default="64,256", help="model sizes in MiB, of 64, 256")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--keep", type=Path, help="keep the runs' folders here")
+    args = p.parse_args(argv)
+    root = args.keep or Path(tempfile.mkdtemp(prefix="isthmus-scale-"))
+    baseline = import_baseline_rss()
+    counts = [int(x) for x in args.sites.split(",")]
+    table: dict[int, dict[int, float]] = {}
+    for mib in (int(x) for x in args.sizes.split(",")):
+        width, depth = WIDTHS[mib]
+        model_bytes = depth * (width * width + width) * 4
+        for n in counts:
+            print(f"{mib} MiB, {n} sites ...", flush=True)
+            peak = run(root / f"{mib}mib-{n}", mib, n, args.rounds)
+            table.setdefault(mib, {})[n] = (peak - baseline) / model_bytes
+    print(f"\ncoordinator peak RSS above its import baseline ({baseline / 1e6:.0f} MB), over the")
+    print("float32 model size:")
+    print("model     " + "".join(f"{n:>8} sites" for n in counts))
+    for mib, row in table.items():
+        print(f"{mib:>3} MiB   " + "".join(f"{row[n]:>13.2f}x" for n in counts))
+    worst = max(v for row in table.values() for v in row.values())
+    growth = max(row[counts[-1]] / row[counts[0]] for row in table.values())
+    print(
+        f"coord_rss_over_model_max={worst:.2f} rss_growth_{counts[0]}_to_{counts[-1]}={growth:.2f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

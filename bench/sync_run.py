@@ -1,0 +1,289 @@
+"""The runs behind ``python -m bench.sync`` (see its docstring): one real job per model size
+and codec, a gloo all-reduce beside it, the coordinator's memory, and the table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TRAINER = REPO / "bench" / "sync_trainer.py"
+INT8 = {"default": "int8"}
+
+
+@dataclass
+class JobResult:
+    size: str
+    codec: str
+    params: int
+    syncs: list[float]
+    round_period_s: float
+    peak_rss: int
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env.update(FLWR_TELEMETRY_ENABLED="0", OMP_NUM_THREADS="1")
+    return env
+
+
+def _toml(cfg: dict) -> str:
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        return repr(v)
+
+    lines = []
+    for table, values in cfg.items():
+        lines.append(f"[{table}]")
+        lines += [f"{k} = {value(v)}" for k, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def job_config(width: int, depth: int, rounds: int, h: int, codec: str, timeouts: dict) -> str:
+    cfg = {
+        "job": {"name": f"sync-{width}x{depth}-{codec}", "state_dir": "state"},
+        "model": {
+            "factory": "bench.sync:residual_stack",
+            "kwargs": {"width": width, "depth": depth},
+        },
+        "strategy": {"name": "diloco"},
+        "rounds": {
+            "total": rounds,
+            "inner_steps": h,
+            "min_sites": 2,
+            "max_sites": 2,
+            "join_window_s": 0.5,
+            "deadline_s": 900.0,
+        },
+        "timeouts": timeouts,
+        "server": {"listen": "127.0.0.1:0"},
+    }
+    text = _toml(cfg)
+    if codec == "int8":
+        text += '[compression]\ndefault = "int8"\n\n[compression.downlink]\ndefault = "int8"\n'
+    return text
+
+
+def _pki(folder: Path) -> None:
+    from wire.identity import init_ca, issue
+
+    init_ca(folder / "ca", "sync-bench")
+    issue(folder / "ca", "coordinator", "coordinator", folder / "coord", hosts=("127.0.0.1",))
+    for i in range(2):
+        issue(folder / "ca", "site", f"site-{i}", folder / f"site-{i}")
+
+
+def _peak_rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def run_job(folder: Path, size: str, width: int, depth: int, codec: str, args) -> JobResult:
+    shutil.rmtree(folder, ignore_errors=True)  # a new job every time
+    folder.mkdir(parents=True)
+    _pki(folder)
+    timeouts = {} if size == "1m" else {"heartbeat_interval_s": 5.0, "lease_ttl_s": 60.0}
+    rounds = args.rounds if size != "1m" else 8
+    h = args.inner_steps if size != "1m" else 1
+    (folder / "job.toml").write_text(job_config(width, depth, rounds, h, codec, timeouts))
+    env = _env()
+    coord_log = open(folder / "coordinator.log", "w")  # noqa: SIM115 - the child's
+    cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(folder / "job.toml")]
+    coord = subprocess.Popen(
+        [*cmd, "--tls-dir", str(folder / "coord")],
+        cwd=REPO,
+        env=env,
+        stdout=coord_log,
+        stderr=subprocess.STDOUT,
+    )
+    peak = [0]
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.is_set() and coord.poll() is None:
+            peak[0] = max(peak[0], _peak_rss(coord.pid))
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
+    address = _wait_address(folder / "state" / "address", coord)
+    sites = [_start_site(folder, i, address, env) for i in range(2)]
+    try:
+        for s in sites:
+            if s.wait(timeout=args.timeout) != 0:
+                raise RuntimeError(f"a site failed; see {folder}")
+        coord.wait(timeout=60)
+    finally:
+        watching.set()
+        for p in [*sites, coord]:
+            if p.poll() is None:
+                p.kill()
+        coord_log.close()
+    params = depth * (width * width + width)
+    return JobResult(
+        size,
+        codec,
+        params,
+        _syncs(folder),
+        _round_period(folder),
+        peak[0],
+        _phases(folder),
+    )
+
+
+def _wait_address(path: Path, proc: subprocess.Popen) -> str:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        if proc.poll() is not None:
+            raise RuntimeError(f"the coordinator exited with {proc.returncode}")
+        time.sleep(0.05)
+    raise TimeoutError("the coordinator did not start")
+
+
+def _start_site(folder: Path, i: int, address: str, env: dict) -> subprocess.Popen:
+    log = open(folder / f"site-{i}.log", "w")  # noqa: SIM115 - the child's
+    cmd = [sys.executable, "-m", "site_client.cli", "start", "--coordinator", address]
+    cmd += ["--site", f"site-{i}", "--tls-dir", str(folder / f"site-{i}")]
+    cmd += ["--run-dir", str(folder / f"run-{i}"), "--nproc-per-node", "1", "--", str(TRAINER)]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _syncs(folder: Path) -> list[float]:
+    """End of the last inner step of round r to theta_{r+1} loaded, per site and round."""
+    out = []
+    for i in range(2):
+        rows = {r["round"]: r for r in _lines(folder / f"run-{i}" / "sync_times.jsonl")}
+        for r, row in rows.items():
+            nxt = rows.get(r + 1)
+            if "steps_end_wall" in row and nxt is not None:
+                out.append(nxt["loaded_wall"] - row["steps_end_wall"])
+    return out
+
+
+def _round_period(folder: Path) -> float:
+    events = _lines(folder / "state" / "events.jsonl")
+    closes = [e["wall"] for e in events if e["kind"] == "round_closed"]
+    gaps = [b - a for a, b in zip(closes[1:], closes[2:], strict=False)]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def _phases(folder: Path) -> dict[str, float]:
+    """Median seconds per phase over the rounds (and sites) after the first."""
+    buckets: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        buckets.setdefault(name, []).append(value)
+
+    for i in range(2):
+        run = folder / f"run-{i}"
+        for t in _lines(run / "trainer_timings.jsonl"):
+            add(f"trainer {t['kind']}", t["s"])
+        for t in _lines(run / "timings.jsonl"):
+            add(f"agent {t['kind']}", t["s"])
+            if t["kind"] == "push":
+                add("agent push: waiting for the checkpoint", t.get("held_s", 0.0))
+    for e in _lines(folder / "state" / "events.jsonl"):
+        for name, value in (e.get("phases") or {}).items():
+            add(f"coordinator {name.removesuffix('_s').replace('_', ' ')}", value)
+    return {k: statistics.median(v[1:] if len(v) > 2 else v) for k, v in buckets.items()}
+
+
+def _allreduce_worker(rank: int, numel: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    x = torch.randn(numel)
+    times = []
+    for _ in range(4):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - started)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times[1:]))
+    dist.destroy_process_group()
+
+
+def allreduce_seconds(numel: int, folder: Path) -> float:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = folder / f"allreduce-{numel}.json"
+    mp.start_processes(
+        _allreduce_worker, args=(numel, port, str(out)), nprocs=2, start_method="spawn"
+    )
+    return statistics.median(json.loads(out.read_text()))
+
+
+def import_baseline_rss() -> int:
+    """RSS of a process that imported what the coordinator imports, and nothing more."""
+    code = (
+        "import coordinator.cli, coordinator.server, pathlib;"
+        "print([l for l in pathlib.Path('/proc/self/status').read_text().splitlines()"
+        " if l.startswith('VmRSS')][0].split()[1])"
+    )
+    got = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True
+    )
+    return int(got.stdout.strip()) * 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.sync import SIZES
+
+    p = argparse.ArgumentParser(prog="python -m bench.sync")
+    p.add_argument("--sizes", default="5m,50m", help=f"of {', '.join(SIZES)}")
+    p.add_argument("--codecs", default="fp32,int8")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--inner-steps", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--keep", type=Path, help="keep the runs' folders (logs, state) here")
+    args = p.parse_args(argv)
+    root = args.keep or Path(tempfile.mkdtemp(prefix="isthmus-sync-"))
+    results = []
+    for size in args.sizes.split(","):
+        for codec in args.codecs.split(","):
+            print(f"running {size} {codec} ...", flush=True)
+            width, depth = SIZES[size]
+            results.append(run_job(root / f"{size}-{codec}", size, width, depth, codec, args))
+    print("running 1m fp32 with the default timeouts ...", flush=True)
+    tiny = run_job(root / "1m-fp32", "1m", *SIZES["1m"], "fp32", args)
+    baseline = import_baseline_rss()
+    from bench.sync_report import report
+
+    report(results, tiny, baseline, lambda n: allreduce_seconds(n, root))
+    return 0
