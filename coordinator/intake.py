@@ -100,10 +100,16 @@ SCREEN_CHUNK = 4 << 20
 
 
 def screen(upload: Upload) -> None:
-    """Refuse NaN/Inf in raw tensors and codec data that would not decode. Raw tensors are
-    read a few MiB at a time, so a verifying thread holds little memory."""
+    """Refuse NaN/Inf in raw tensors and codec data that would not decode. Raw tensors not
+    checked as they arrived (``coordinator.screening``) are read a few MiB at a time, so a
+    verifying thread holds little memory."""
+    if upload.screen.bad is not None:
+        raise ChunkError(f"tensor {upload.screen.bad!r} contains NaN or Inf values")
+    unchecked = upload.screen.unchecked()
     buf = torch.empty(SCREEN_CHUNK, dtype=torch.uint8)
-    for e in upload.manifest.entries:
+    for i, e in enumerate(upload.manifest.entries):
+        if e.codec == "none" and i not in unchecked:
+            continue
         if e.codec != "none":
             raw = read_entry(upload.path, e, keep=False)
             verify(raw, e.codec_meta, e.numel, codec=e.codec, name=e.label)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator.screening import ArrivalScreen
 from coordinator.spool import UpdateSpool
 from wire.chunking import Reassembler
 from wire.tensors import Manifest, PayloadError, TensorEntry
@@ -107,6 +108,7 @@ class Upload:
                         hasher.update(block)
                 received = size
         self.file = spool.open_part(round_number, site, upload_id)
+        self.screen = ArrivalScreen(manifest, resumed_at=received)
         self.reassembler = Reassembler(
             manifest.total_bytes, manifest.sha256, self.file, received, hasher
         )
@@ -123,6 +125,7 @@ class Upload:
 
     def add(self, offset: int, data: bytes) -> None:
         self.reassembler.add(offset, data)
+        self.screen.add(offset, data)
 
     def verify(self) -> None:
         self.file.flush()
