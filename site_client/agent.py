@@ -95,11 +95,13 @@ class SiteAgent:
         with self.state.cond:
             self.state.stopping = True
             self.state.cond.notify_all()
-        for t in self._threads:
-            t.join(timeout=5)
-        self.ipc.close()
+        # Leave first, while the lease is still renewed: the round watch may sit in a
+        # WaitRound for a while yet, and no heartbeat goes out once the loops are told to stop.
         if leave:
             self.client.leave("site stopping")
+        for t in self._threads:
+            t.join(timeout=0.5 if t.name == "agent-watch" else 5)
+        self.ipc.close()
         shutil.rmtree(self.cfg.shm_dir, ignore_errors=True)
 
     def fail(self, message: str) -> None:
