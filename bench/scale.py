@@ -21,10 +21,9 @@ import argparse
 import shutil
 import tempfile
 import threading
-import time
 from pathlib import Path
 
-from bench.sync_run import _peak_rss, _wait_address, import_baseline_rss, job_config
+from bench.sync_run import _wait_address, import_baseline_rss, job_config, watch_peak_rss
 
 WIDTHS = {64: (2048, 4), 256: (4096, 4)}  # MiB -> (width, depth): depth * width^2 * 4 bytes
 
@@ -71,15 +70,7 @@ def run(folder: Path, mib: int, sites: int, rounds: int) -> int:
     log = open(folder / "coordinator.log", "w")  # noqa: SIM115 - the child's
     cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(folder / "job.toml")]
     coord = subprocess.Popen([*cmd, "--insecure"], cwd=REPO, env=_env(), stdout=log, stderr=log)
-    peak = [0]
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.is_set() and coord.poll() is None:
-            peak[0] = max(peak[0], _peak_rss(coord.pid))
-            time.sleep(0.1)
-
-    threading.Thread(target=watch, daemon=True).start()
+    peak, done = watch_peak_rss(coord)
     try:
         address = _wait_address(folder / "state" / "address", coord)
         like = residual_stack(width, depth).state_dict()

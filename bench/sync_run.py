@@ -118,15 +118,7 @@ def run_job(folder: Path, size: str, width: int, depth: int, codec: str, args) -
         stdout=coord_log,
         stderr=subprocess.STDOUT,
     )
-    peak = [0]
-    watching = threading.Event()
-
-    def watch() -> None:
-        while not watching.is_set() and coord.poll() is None:
-            peak[0] = max(peak[0], _peak_rss(coord.pid))
-            time.sleep(0.2)
-
-    threading.Thread(target=watch, daemon=True).start()
+    peak, watching = watch_peak_rss(coord)
     address = _wait_address(folder / "state" / "address", coord)
     sites = [_start_site(folder, i, address, env) for i in range(2)]
     try:
@@ -150,6 +142,19 @@ def run_job(folder: Path, size: str, width: int, depth: int, codec: str, args) -
         peak[0],
         _phases(folder),
     )
+
+
+def watch_peak_rss(proc: subprocess.Popen) -> tuple[list[int], threading.Event]:
+    """Track ``proc``'s peak RSS (``VmHWM``) until it exits or the event is set."""
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set() and proc.poll() is None:
+            peak[0] = max(peak[0], _peak_rss(proc.pid))
+            time.sleep(0.1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return peak, stop
 
 
 def _wait_address(path: Path, proc: subprocess.Popen) -> str:

@@ -103,14 +103,18 @@ def plan_backups(
         key = (0 if dead else 1, -1 if step is None else step, len(unit), unit)
         needy.append((key, unit, reason))
     needy.sort()
-    free = sorted(idle - suspected)
+    return _deal(needy, holders, sorted(idle - suspected), opts.max_backups_per_unit)
+
+
+def _deal(needy, holders: dict[str, list[str]], free: list[str], most: int) -> list[Backup]:
+    """Idle sites to needy units in round-robin passes: every needy unit gets its first
+    backup before any gets a second."""
     copies = {unit: max(len(holders[unit]) - 1, 0) for _, unit, _ in needy}
     plan: list[Backup] = []
-    # Round-robin passes: every needy unit gets its first backup before any gets a second.
     while free:
         given = len(plan)
         for _, unit, reason in needy:
-            if copies[unit] >= opts.max_backups_per_unit:
+            if copies[unit] >= most:
                 continue
             site = next((s for s in free if s not in holders[unit]), None)
             if site is None:
