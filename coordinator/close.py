@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.checkpointing import CheckpointWriter
@@ -62,7 +63,7 @@ class CloseParts:
     uploads: UploadTable
     writer: CheckpointWriter
     sink: EventSink
-    events_closed_round: object  # callable: the round of the log's newest round_closed event
+    events_closed_round: Callable[[], int | None]  # round of the log's newest round_closed
 
 
 class ClosePipeline:
@@ -97,7 +98,7 @@ class ClosePipeline:
             log.exception("outer step failed; the last checkpoint is unchanged")
             raise FatalError(self.p.state.fatal) from exc
         self._note(r, outcome)
-        theta_hash, closed, meta = self.publish(order, nxt, outcome, clock)
+        theta_hash, meta = self.publish(order, nxt, outcome, clock)
         self.checkpoint(order, nxt, theta_hash, strategy_state, meta)
         log.info(
             "round %d closed (%s): %d update(s), published theta_%d %s in %.2fs",
@@ -204,7 +205,7 @@ class ClosePipeline:
                 )
             s.changed()
         self.p.uploads.drop_rounds_before(r + 1)
-        return theta_hash, closed, meta
+        return theta_hash, meta
 
     def checkpoint(self, order, nxt: ThetaBuffer, theta_hash: bytes, strategy_state, meta):
         r = order.round.number

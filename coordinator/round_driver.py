@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from coordinator.accumulate import StreamingMean, fold_order
 from coordinator.membership import Membership
 from coordinator.records import FatalError, UpdateKey
-from coordinator.rounds import admit_latecomers, decide_close, open_round
+from coordinator.rounds import RoundState, admit_latecomers, decide_close, open_round
 from coordinator.spool import SpooledUpdate
 from coordinator.state import CoordinatorState
 from strategies import Strategy, StrategyError
@@ -30,7 +30,7 @@ log = logging.getLogger("isthmus.coordinator")
 class CloseOrder:
     """A round the driver decided to close: its updates in the order they are summed."""
 
-    round: object  # RoundState, closed
+    round: RoundState  # closed
     keys: tuple[UpdateKey, ...]
     updates: tuple[SpooledUpdate, ...]
     reason: str

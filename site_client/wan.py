@@ -21,11 +21,13 @@ from site_client.agent_state import AgentConfig, AgentState, Offer
 from site_client.compression import CODEC_STATE_FILE, save_codec_state
 from site_client.errors import CoordinatorError, PushAborted
 from site_client.tasks import describe, task_of
+from site_client.theta_fetch import GlobalState
 from site_client.timings import record
 from site_client.update_payload import build_payload, residual_snapshot
 from wire.backoff import DeadlineExceeded
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
+from wire.safetensors_io import map_tensors, write_tensors
 
 log = logging.getLogger("isthmus.site")
 TIMINGS = "timings.jsonl"
@@ -86,6 +88,10 @@ class WanWorker:
         dest = self.cfg.shm_dir / f"theta-v{info.version}.safetensors"
         try:
             got = self.client.fetch(info.version, held=held, dest=dest)
+            if got.path is None:  # served in a layout the file could not take: write it out
+                write_tensors(dest, got.theta)
+                file = map_tensors(dest)
+                got = GlobalState(got.version, file.tensors, got.theta_hash, dest, file)
         except CoordinatorError as exc:
             if exc.code != grpc.StatusCode.NOT_FOUND:
                 raise
