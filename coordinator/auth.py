@@ -1,8 +1,9 @@
 """Who is calling: the verified client certificate, its role, and the revocation list.
 
 gRPC has already checked, during the TLS handshake, that the peer's certificate chains to the
-job CA and is within its validity period. This adds what the handshake does not know: the role
-a method needs, that a site acts only as itself, and revocations, read from the CA-signed CRL
+job CA and is within its validity period. This adds what the handshake does not know: that the
+certificate is a leaf the job CA signed itself (not one signed by an intermediate), the role a
+method needs, that a site acts only as itself, and revocations, read from the CA-signed CRL
 file again whenever it changes, so ``coordinator certs revoke`` takes effect on a running
 coordinator at the next call.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from cryptography import x509
 
-from wire.identity import Identity, IdentityError, identity_of, load_crl
+from wire.identity import Identity, IdentityError, load_crl, verify_leaf
 
 log = logging.getLogger("isthmus.coordinator")
 
@@ -28,11 +29,6 @@ class AuthError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-@functools.lru_cache(maxsize=1024)
-def _identity(cert_pem: bytes) -> Identity:
-    return identity_of(cert_pem)
 
 
 class RevocationList:
@@ -73,22 +69,39 @@ class Authorizer:
 
     def __init__(self, revocations: RevocationList | None) -> None:
         self.revocations = revocations
+        if revocations is not None:
+            self._verify = functools.lru_cache(maxsize=1024)(self._verify_uncached)
 
     @property
     def insecure(self) -> bool:
         return self.revocations is None
 
-    def check(self, auth_context: dict, role: str, claimed_site: str | None = None):
+    def _verify_uncached(self, cert_pem: bytes) -> Identity | IdentityError:
+        try:
+            return verify_leaf(cert_pem, self.revocations.ca)
+        except (IdentityError, ValueError) as exc:
+            return IdentityError(str(exc))
+
+    def identify(self, auth_context: dict) -> Identity | None:
+        """The verified, unrevoked caller; None when insecure. Raises ``AuthError``."""
         if self.insecure:
             return None
         pems = auth_context.get("x509_pem_cert")
         if not pems:
             raise AuthError("unauthenticated", "a client certificate from the job CA is required")
-        who = _identity(pems[0])
+        who = self._verify(pems[0])
+        if isinstance(who, IdentityError):
+            raise AuthError("unauthenticated", str(who))
         if who.serial in self.revocations.serials():
             raise AuthError(
                 "unauthenticated", f"the certificate of {who.role} {who.name!r} was revoked"
             )
+        return who
+
+    def check(self, auth_context: dict, role: str, claimed_site: str | None = None):
+        who = self.identify(auth_context)
+        if who is None:
+            return None
         if who.role != role:
             raise AuthError(
                 "denied",

@@ -136,6 +136,11 @@ class ServerConfig:
     # stream can upload per second. 0: gRPC sizes it from its bandwidth-delay estimate, which
     # on a busy coordinator grows to tens of MiB per stream.
     receive_window_bytes: int = setting(8 << 20, check=non_negative)
+    # How long a call's request message may take to arrive once the call is open, and how
+    # long a stream may then sit between messages (a push waits, before its last chunk, for
+    # the site's checkpoint). A call past either is cancelled: it frees its worker.
+    request_timeout_s: float = setting(10.0, check=positive)
+    stream_idle_s: float = setting(600.0, check=positive)
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,15 @@ from pathlib import Path
 import grpc
 
 from coordinator.auth import Authorizer, RevocationList
+from coordinator.call_gate import CallGate, CallLimits, method_handlers
 from coordinator.config import JobConfig
 from coordinator.core import CoordinatorCore
 from coordinator.records import FatalError
 from coordinator.servicer import CoordinatorServicer
 from coordinator.store import StoreError, write_atomic
+from coordinator.watchdog import CallWatchdog
 from wire.grpc_options import server_options
 from wire.identity import Bundle
-from wire.proto import isthmus_pb2_grpc as pb_grpc
 
 log = logging.getLogger("isthmus.coordinator")
 TICK_S = 0.2
@@ -58,10 +59,12 @@ class CoordinatorServer:
 
     def _setup(self, cfg: JobConfig, listen: str | None) -> None:
         self.stop_event = threading.Event()
-        # A push stream holds a worker thread for its whole transfer and a WaitRound call for
-        # up to a minute: keep enough for every site to push, fetch and wait at once, with
-        # threads left over for heartbeats.
-        workers = max(cfg.server.workers, 3 * cfg.rounds.max_sites + 8)
+        # Every open call holds a worker thread (a push for its whole transfer, a WaitRound
+        # for up to a minute). The gate bounds what each certificate may hold open, so enough
+        # workers for every site's share, and a few operators', leaves threads for heartbeats
+        # however one caller behaves.
+        limits = CallLimits()
+        workers = max(cfg.server.workers, (cfg.rounds.max_sites + 4) * limits.per_caller() + 8)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers),
             options=server_options(cfg.server.receive_window_bytes),
@@ -85,9 +88,17 @@ class CoordinatorServer:
             raise OSError(f"cannot listen on {address} (address in use or not local?)")
         self.address = f"{address.rpartition(':')[0]}:{port}"
         self.core = CoordinatorCore(cfg)
-        servicer = CoordinatorServicer(self.core, Authorizer(revocations))
-        pb_grpc.add_CoordinatorServicer_to_server(servicer, self.server)
-        self.server.add_generic_rpc_handlers((servicer.bulk_handler(),))
+        authorizer = Authorizer(revocations)
+        servicer = CoordinatorServicer(self.core, authorizer)
+        self.watchdog = CallWatchdog()
+        self.gate = CallGate(
+            authorizer,
+            limits,
+            cfg.server.request_timeout_s,
+            cfg.server.stream_idle_s,
+            self.watchdog,
+        )
+        self.server.add_generic_rpc_handlers(method_handlers(self.gate, servicer))
         self.exit_code = 0
 
     def run(self) -> int:
@@ -119,6 +130,7 @@ class CoordinatorServer:
             if not self.server.stop(grace=1.0).wait(timeout=2.0):
                 log.warning("gRPC calls still open after stop; exiting anyway")
             self.core.close()
+            self.watchdog.stop()
             self.close()
         return self.exit_code
 

@@ -6,11 +6,9 @@ anything.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
-import threading
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -20,7 +18,6 @@ from coordinator.auth import AuthError, Authorizer
 from coordinator.core import CoordinatorCore
 from coordinator.records import PushHeader, Refused, check_name
 from coordinator.status import status_reply
-from wire import bulk
 from wire.bulk import chunk_frame, parse_chunk
 from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError, iter_chunks
 from wire.proto import isthmus_pb2 as pb
@@ -117,25 +114,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ) -> None:
         self.core = core
         self.authorizer = authorizer
-        # Each stream holds a worker thread while it lasts. Bounding streams per kind keeps
-        # threads free for heartbeats and status however many streams a peer opens and idles.
-        slots = core.cfg.rounds.max_sites + 2
-        self._stream_slots = {
-            "Push": threading.BoundedSemaphore(slots),
-            "Fetch": threading.BoundedSemaphore(slots),
-        }
         self.chunk_bytes = chunk_bytes
         self.ttl_s = core.cfg.timeouts.lease_ttl_s
-
-    @contextlib.contextmanager
-    def _stream_slot(self, kind: str):
-        slot = self._stream_slots[kind]
-        if not slot.acquire(blocking=False):
-            raise Refused("busy", f"too many {kind} streams open at once; retry shortly")
-        try:
-            yield
-        finally:
-            slot.release()
 
     def _auth(self, context, role: str, claimed_site: str | None = None) -> None:
         """Nothing is looked at before the caller's certificate allows it; a claimed site
@@ -222,24 +202,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """The header, then ``(offset, bytes)`` chunks from the requested offset."""
         self._auth(context, "site", request.lease.site)
         refuse_unknown_fields(request)
-        with self._stream_slot("Fetch"):
-            version = request.version if request.HasField("version") else None
-            held = request.from_version if request.HasField("from_version") else None
-            pub, as_delta = self.core.fetch(
-                request.lease.site, request.lease.token, version, request.offset, held
-            )
-            header = pb.FetchHeader(version=pub.version, theta_hash=pub.theta_hash)
-            if as_delta:
-                header.from_version = pub.delta_from
-                header.manifest.CopyFrom(pub.delta_manifest.to_proto())
-                payload = pub.delta_payload
-            else:
-                header.manifest.CopyFrom(pub.manifest.to_proto())
-                payload = pub.payload
-            yield header
-            for offset, data in iter_chunks(payload, self.chunk_bytes, start=request.offset):
-                yield offset, data
-                self.core.count_sent(len(data))
+        version = request.version if request.HasField("version") else None
+        held = request.from_version if request.HasField("from_version") else None
+        pub, as_delta = self.core.fetch(
+            request.lease.site, request.lease.token, version, request.offset, held
+        )
+        header = pb.FetchHeader(version=pub.version, theta_hash=pub.theta_hash)
+        if as_delta:
+            header.from_version = pub.delta_from
+            header.manifest.CopyFrom(pub.delta_manifest.to_proto())
+            payload = pub.delta_payload
+        else:
+            header.manifest.CopyFrom(pub.manifest.to_proto())
+            payload = pub.payload
+        yield header
+        for offset, data in iter_chunks(payload, self.chunk_bytes, start=request.offset):
+            yield offset, data
+            self.core.count_sent(len(data))
 
     @_refusals_to_status
     def Push(self, request_iterator, context) -> pb.PushReply:
@@ -280,25 +259,24 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._auth(context, "site", first.header.lease.site)
         refuse_unknown_fields(first)
         h = first.header
-        with self._stream_slot("Push"):
-            upload = self.core.begin_upload(
-                PushHeader(
-                    site=h.lease.site,
-                    token=h.lease.token,
-                    round=h.round,
-                    upload_id=h.upload_id,
-                    manifest=h.manifest,
-                    weight=h.weight,
-                    base_version=h.base_version,
-                    data_unit=h.data_unit,
-                )
+        upload = self.core.begin_upload(
+            PushHeader(
+                site=h.lease.site,
+                token=h.lease.token,
+                round=h.round,
+                upload_id=h.upload_id,
+                manifest=h.manifest,
+                weight=h.weight,
+                base_version=h.base_version,
+                data_unit=h.data_unit,
             )
-            try:
-                for offset, data in chunks:
-                    self.core.upload_chunk(upload, offset, data, h.lease.token)
-                return self._finish(upload, h.lease.token, context)
-            finally:
-                self.core.release_upload(upload)
+        )
+        try:
+            for offset, data in chunks:
+                self.core.upload_chunk(upload, offset, data, h.lease.token)
+            return self._finish(upload, h.lease.token, context)
+        finally:
+            self.core.release_upload(upload)
 
     def _finish(self, upload, token: int, context) -> pb.PushReply:
         if not context.is_active():
@@ -312,24 +290,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 message=f"{upload.received} of {upload.manifest.total_bytes} bytes received",
             )
         return pb.PushReply(complete=True, acked_offset=upload.received, message="counted")
-
-    def bulk_handler(self) -> grpc.GenericRpcHandler:
-        """The ``isthmus.v1.Bulk`` methods, for ``server.add_generic_rpc_handlers``."""
-        return grpc.method_handlers_generic_handler(
-            bulk.SERVICE,
-            {
-                "Fetch": grpc.unary_stream_rpc_method_handler(
-                    self.FetchBulk,
-                    request_deserializer=pb.FetchRequest.FromString,
-                    response_serializer=None,
-                ),
-                "Push": grpc.stream_unary_rpc_method_handler(
-                    self.PushBulk,
-                    request_deserializer=None,
-                    response_serializer=pb.PushReply.SerializeToString,
-                ),
-            },
-        )
 
     @_refusals_to_status
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:

@@ -113,7 +113,12 @@ class CoordinatorClient:
         def retryable(exc: BaseException) -> bool:
             # A chunk that fails its checks was damaged in flight or the stream broke: resend.
             # DATA_LOSS: the coordinator found the update damaged in flight and dropped it.
-            return isinstance(exc, ChunkError) or _code(exc) in TRANSIENT | {
+            # RESOURCE_EXHAUSTED: its disk is full or this site has too many calls open; both
+            # pass (a full job refusing a join does not, and says so).
+            code = _code(exc)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return describe != "join"
+            return isinstance(exc, ChunkError) or code in TRANSIENT | {
                 grpc.StatusCode.ABORTED,
                 grpc.StatusCode.DATA_LOSS,
             }

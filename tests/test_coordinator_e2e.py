@@ -138,16 +138,20 @@ class SiteLog:
     error: BaseException | None = None
 
 
-def run_site(address: str, k: int, log: SiteLog, hooks: Hooks) -> None:
+def run_site(address: str, k: int, log: SiteLog, hooks: Hooks, tls=None) -> None:
+    """``tls``: (the site's bundle, an operator's bundle for Status) or None for plaintext."""
+    site_tls, ops_tls = tls or (None, None)
     client = CoordinatorClient(
         address,
         SITES[k],
+        tls=site_tls,
         backoff=h.FAST_BACKOFF,
         num_examples=int(WEIGHTS[k]),
         rpc_timeout_s=5.0,
         transfer_timeout_s=20.0,
         on_retry=lambda what, n, delay, exc: log.retries.append(f"{what}: {exc}"),
     )
+    operator = CoordinatorClient(address, "ops", tls=ops_tls) if ops_tls else client
     try:
         client.join()
         last = -1
@@ -160,7 +164,7 @@ def run_site(address: str, k: int, log: SiteLog, hooks: Hooks) -> None:
             assert g.version == r, f"{log.name} fetched version {g.version} in round {r}"
             log.fetched[r] = g
             log.tokens[r] = client.lease.token
-            status = client.status()
+            status = operator.status()
             assert status.round.round == r
             log.status_hash[r] = status.round.theta_hash
             hooks.hit(log.name, "before_push", r)
@@ -179,15 +183,22 @@ def run_site(address: str, k: int, log: SiteLog, hooks: Hooks) -> None:
         log.error = exc
     finally:
         client.close()
+        operator.close()
 
 
-def run_job(coord: h.CoordinatorProcess, hooks: Hooks | None = None, during=None) -> list[SiteLog]:
+def run_job(
+    coord: h.CoordinatorProcess, hooks: Hooks | None = None, during=None, tls=None
+) -> list[SiteLog]:
     """Run both sites to the end of the job; ``during(logs)`` runs in the test thread meanwhile
-    (to kill and restart the coordinator)."""
+    (to kill and restart the coordinator). ``tls``: ``run_site``'s, by site name."""
     hooks = hooks or Hooks()
     logs = [SiteLog(name) for name in SITES]
     threads = [
-        threading.Thread(target=run_site, args=(coord.address, k, logs[k], hooks), daemon=True)
+        threading.Thread(
+            target=run_site,
+            args=(coord.address, k, logs[k], hooks, (tls or {}).get(SITES[k])),
+            daemon=True,
+        )
         for k in range(len(SITES))
     ]
     for t in threads:

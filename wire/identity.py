@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -159,6 +160,10 @@ def issue(
         .not_valid_before(start)
         .not_valid_after(start + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(True, False, False, False, False, False, False, False, False),
+            critical=True,
+        )
     )
     if role == "coordinator":
         if not hosts:
@@ -231,6 +236,51 @@ def load_crl(path: Path, ca_cert: x509.Certificate) -> set[int]:
     if not crl.is_signature_valid(ca_cert.public_key()):
         raise IdentityError(f"{path} is not signed by the job CA")
     return {r.serial_number for r in crl}
+
+
+def verify_leaf(cert_pem: bytes, ca_cert: x509.Certificate) -> Identity:
+    """Who a peer certificate names, once it is shown to be a leaf the job CA signed itself.
+
+    The TLS handshake accepts any chain that ends at the job CA, and OpenSSL does not hold an
+    intermediate to the CA's ``pathlen:0``: a leaf signed by a CA certificate the job CA once
+    signed would pass. Only direct leaves, not CAs, meant for client authentication, are
+    identities here."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    who = identity_of(cert_pem)
+    try:
+        cert.verify_directly_issued_by(ca_cert)
+    except (ValueError, TypeError, InvalidSignature) as exc:
+        raise IdentityError(
+            f"the certificate of {who.role} {who.name!r} was not issued by the job CA itself "
+            f"({exc or 'bad signature'}); only the job CA's own leaves are accepted"
+        ) from None
+    ext = cert.extensions
+    try:
+        if ext.get_extension_for_class(x509.BasicConstraints).value.ca:
+            raise IdentityError(f"the certificate of {who.role} {who.name!r} is a CA certificate")
+    except x509.ExtensionNotFound:
+        raise IdentityError(
+            f"the certificate of {who.role} {who.name!r} has no basicConstraints; "
+            "issue it again with `coordinator certs`"
+        ) from None
+    try:
+        if (
+            ExtendedKeyUsageOID.CLIENT_AUTH
+            not in ext.get_extension_for_class(x509.ExtendedKeyUsage).value
+        ):
+            raise IdentityError(f"the certificate of {who.role} {who.name!r} is not for clients")
+    except x509.ExtensionNotFound:
+        raise IdentityError(
+            f"the certificate of {who.role} {who.name!r} has no extendedKeyUsage clientAuth"
+        ) from None
+    try:
+        if not ext.get_extension_for_class(x509.KeyUsage).value.digital_signature:
+            raise IdentityError(
+                f"the certificate of {who.role} {who.name!r} may not sign (keyUsage)"
+            )
+    except x509.ExtensionNotFound:
+        pass  # no keyUsage: any use (RFC 5280); certificates issued before it was added
+    return who
 
 
 def identity_of(cert_pem: bytes) -> Identity:
