@@ -11,17 +11,20 @@ being written.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from coordinator.disk import until_written
 from coordinator.store import Checkpoint, CheckpointStore
 
 log = logging.getLogger("isthmus.coordinator")
 
 
 class CheckpointWriter:
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore, stopping: threading.Event) -> None:
         self.store = store
+        self.stopping = stopping
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._last: Future | None = None
 
@@ -29,7 +32,13 @@ class CheckpointWriter:
         """Write ``ckpt``; once it is durable, run ``then`` (same thread)."""
 
         def write() -> None:
-            self.store.save(ckpt)
+            # A full disk stalls the job here (the next outer step waits for this write)
+            # rather than stopping it: the previous checkpoint stays as it was.
+            until_written(
+                lambda: self.store.save(ckpt),
+                f"writing the checkpoint of round {ckpt.round}",
+                self.stopping,
+            )
             then()
 
         self._last = self._thread.submit(write)
@@ -44,6 +53,8 @@ class CheckpointWriter:
     def close(self) -> None:
         try:
             self.wait()
+        except OSError as exc:  # the spool and the close record still determine that round
+            log.error("stopping without the last checkpoint: %s", exc)
         finally:
             self._thread.shutdown(wait=True)
 

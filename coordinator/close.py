@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.checkpointing import CheckpointWriter
+from coordinator.disk import until_written
 from coordinator.downlink import Downlink
 from coordinator.events import EventSink
 from coordinator.membership import Membership
@@ -64,6 +65,7 @@ class CloseParts:
     writer: CheckpointWriter
     sink: EventSink
     events_closed_round: Callable[[], int | None]  # round of the log's newest round_closed
+    stopping: threading.Event  # gives up waiting for disk space (``coordinator.disk``)
 
 
 class ClosePipeline:
@@ -114,14 +116,16 @@ class ClosePipeline:
 
     def record(self, order: CloseOrder) -> None:
         """The decision, durable before anything is computed from it."""
-        self.p.spool.write_close(
-            order.round.number,
-            {
-                "keys": [k.to_json() for k in order.keys],
-                "reason": order.reason,
-                "participants": sorted(order.round.participants),
-                "slots": list(order.slots),
-            },
+        record = {
+            "keys": [k.to_json() for k in order.keys],
+            "reason": order.reason,
+            "participants": sorted(order.round.participants),
+            "slots": list(order.slots),
+        }
+        until_written(
+            lambda: self.p.spool.write_close(order.round.number, record),
+            f"recording the close of round {order.round.number}",
+            self.p.stopping,
         )
 
     def aggregate(self, order: CloseOrder) -> Outcome:

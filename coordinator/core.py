@@ -25,6 +25,7 @@ from coordinator.checkpointing import CheckpointWriter
 from coordinator.close import CloseParts, ClosePipeline
 from coordinator.config import JobConfig
 from coordinator.counting import UpdateCounter
+from coordinator.disk import until_written
 from coordinator.downlink import Downlink
 from coordinator.events import EventLog, EventSink
 from coordinator.intake import UpdateIntake
@@ -62,7 +63,9 @@ class CoordinatorCore:
         self.downlink = Downlink(cfg.downlink) if cfg.downlink is not None else None
         self.events = EventLog(cfg.state_dir / "events.jsonl")
         self.sink = EventSink(self.events)
-        self.writer = CheckpointWriter(self.store)
+        # Set when the coordinator stops: what waits for disk space (coordinator.disk) gives up.
+        self.stopping = threading.Event()
+        self.writer = CheckpointWriter(self.store, self.stopping)
         self._folder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fold")
         self._stopping = False
         self.state, self.data, self.trainable = recovery.load(self)
@@ -114,6 +117,7 @@ class CoordinatorCore:
             self.writer,
             self.sink,
             lambda: self.events.last_closed_round,
+            self.stopping,
         )
 
     @contextlib.contextmanager
@@ -140,6 +144,7 @@ class CoordinatorCore:
 
     def wake_all(self) -> None:
         """Answer every waiting WaitRound now (the server is stopping)."""
+        self.stopping.set()
         with self.lock:
             self._stopping = True
             self.wake.notify_all()
@@ -328,7 +333,11 @@ class CoordinatorCore:
                 return False
             step = self.driver.tick(self.clock())
         if step.round_file is not None:
-            self.spool.write_round(*step.round_file)
+            until_written(
+                lambda: self.spool.write_round(*step.round_file),
+                f"recording round {step.round_file[0]}",
+                self.stopping,
+            )
         if step.order is None:
             return False
         self.pipeline.run(step.order)

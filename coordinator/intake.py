@@ -11,10 +11,20 @@ it also measures the update's L2 norm. Only then is it fsynced and renamed into 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from coordinator.disk import disk_refusal
 from coordinator.records import Admission, PushHeader, Refused
-from coordinator.spool import SpooledUpdate, UpdateSpool, read_entry, read_into, read_tensors
+from coordinator.spool import (
+    SpooledUpdate,
+    SpoolError,
+    UpdateSpool,
+    read_entry,
+    read_into,
+    read_tensors,
+)
 from coordinator.uploads import (
     Upload,
     UploadBusy,
@@ -27,6 +37,8 @@ from strategies.robust import norm_of
 from wire.chunking import ChunkError
 from wire.codecs import CodecError, verify
 from wire.tensors import DTYPES, Manifest, PayloadError
+
+log = logging.getLogger("isthmus.coordinator")
 
 
 class UpdateIntake:
@@ -59,6 +71,8 @@ class UpdateIntake:
             raise Refused("invalid", str(exc)) from exc
         except UploadBusy as exc:
             raise Refused("busy", str(exc)) from exc
+        except OSError as exc:
+            raise disk_refusal(exc, f"opening upload {header.upload_id}") from exc
         upload.admission = admission
         return upload
 
@@ -67,6 +81,11 @@ class UpdateIntake:
             upload.add(offset, data)
         except ChunkError as exc:
             raise Refused("invalid", f"upload {upload.upload_id}: {exc}") from exc
+        except OSError as exc:
+            log.error("upload %s from %s: %s", upload.upload_id, upload.site, exc)
+            if upload.file.broken:  # could not cut it back: start this upload again
+                self.uploads.discard(upload)
+            raise disk_refusal(exc, f"receiving upload {upload.upload_id}") from exc
 
     def verify(self, upload: Upload) -> float | None:
         """Check a complete upload; its L2 norm when norms are measured. A refused upload's
@@ -89,9 +108,16 @@ class UpdateIntake:
     def commit(self, upload: Upload, weight: float) -> SpooledUpdate:
         """Make a verified upload durable as its admitted key (an fsync: slow, lock-free)."""
         a = upload.admission
-        spooled = self.spool.commit(
-            upload.round, upload.site, upload.upload_id, upload.manifest, weight, key=a.key
-        )
+        try:
+            spooled = self.spool.commit(
+                upload.round, upload.site, upload.upload_id, upload.manifest, weight, key=a.key
+            )
+        except SpoolError as exc:
+            self.uploads.discard(upload)
+            raise Refused("corrupt", f"update from {upload.site} refused: {exc}") from exc
+        except OSError as exc:  # the upload stays complete: a retried header commits it
+            log.error("committing upload %s from %s: %s", upload.upload_id, upload.site, exc)
+            raise disk_refusal(exc, f"committing upload {upload.upload_id}") from exc
         self.uploads.forget(upload)
         return spooled
 

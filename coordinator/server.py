@@ -114,7 +114,7 @@ class CoordinatorServer:
                 try:
                     while self.core.tick():
                         pass
-                except FatalError as exc:
+                except (FatalError, OSError) as exc:  # OSError: stopped while the disk was full
                     log.error("stopping: %s", exc)
                     self.exit_code = 3
                     break
@@ -160,6 +160,7 @@ class CoordinatorServer:
 
     def stop(self) -> None:
         self.stop_event.set()
+        self.core.stopping.set()  # a write waiting for disk space gives up
 
 
 def return_freed_memory() -> None:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from coordinator.records import UpdateKey
-from coordinator.store import write_atomic
+from coordinator.store import fsync_dir, write_atomic
 from strategies.base import SiteUpdate
 from wire.tensors import Manifest, TensorEntry, entry_tensor
 
@@ -40,6 +40,10 @@ from wire.tensors import Manifest, TensorEntry, entry_tensor
 ROUND_FILE = "_round.json"
 CLOSE_FILE = "_close.json"
 _scratch = threading.local()
+
+
+class SpoolError(Exception):
+    """A spooled file that is not what its record says."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,8 @@ class UpdateSpool:
         return self.round_dir(round_number) / f"{site}+{upload_id}.part"
 
     def open_part(self, round_number: int, site: str, upload_id: str):
-        """Open (creating or continuing) the partial file of an upload, for appending."""
+        """Open (creating or continuing) an upload's partial file for appending a whole
+        payload at once; uploads received over the wire write through ``disk.PartFile``."""
         d = self.round_dir(round_number)
         d.mkdir(parents=True, exist_ok=True)
         return open(self.part_path(round_number, site, upload_id), "ab")
@@ -181,9 +186,13 @@ class UpdateSpool:
         d = self.round_dir(round_number)
         part = self.part_path(round_number, site, upload_id)
         with open(part, "rb+") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != manifest.total_bytes:  # the hash covered what arrived, not the file
+                raise SpoolError(
+                    f"{part.name} holds {size} bytes, its manifest {manifest.total_bytes}"
+                )
             os.fsync(f.fileno())
         final = d / f"{key.label}.update"
-        os.replace(part, final)
         meta = {
             "key": key.to_json(),
             "weight": weight,
@@ -192,7 +201,11 @@ class UpdateSpool:
             "sha256": manifest.sha256.hex(),
             "tensors": _entries_to_json(manifest),
         }
+        # The record first: it is what needs disk space, and a failure then leaves the
+        # .part file as it was, for the retry. A record without its .update is not counted.
         write_atomic(d / f"{key.label}.json", json.dumps(meta).encode())
+        os.replace(part, final)
+        fsync_dir(d)
         return SpooledUpdate(key, weight, final, manifest)
 
     def completed(self, round_number: int) -> list[SpooledUpdate]:

@@ -82,11 +82,15 @@ def fsync_file(path: Path) -> None:
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` so that readers see the old or the new file, whole."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: leave the old file, and no debris
+        raise
     fsync_dir(path.parent)
 
 
@@ -138,6 +142,15 @@ class CheckpointStore:
         tmp = self.dir / f".tmp-{name}-{os.getpid()}-{next(_counter)}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        try:
+            return self._write(ckpt, tmp, final, name)
+        except BaseException:
+            # A write cut short (a full disk) leaves no half checkpoint taking space; the
+            # previous one, and LATEST, are as they were.
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _write(self, ckpt: Checkpoint, tmp: Path, final: Path, name: str) -> Path:
         theta = _contiguous(ckpt.theta)
         strategy_state = _contiguous(ckpt.strategy_state)
         downlink = _contiguous(ckpt.downlink)

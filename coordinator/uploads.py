@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator.disk import PartFile
 from coordinator.screening import ArrivalScreen
 from coordinator.spool import UpdateSpool
 from wire.chunking import Reassembler
@@ -107,7 +108,8 @@ class Upload:
                     while block := f.read(1 << 22):
                         hasher.update(block)
                 received = size
-        self.file = spool.open_part(round_number, site, upload_id)
+        spool.round_dir(round_number).mkdir(parents=True, exist_ok=True)
+        self.file = PartFile(self.path, received)
         self.screen = ArrivalScreen(manifest, resumed_at=received)
         self.reassembler = Reassembler(
             manifest.total_bytes, manifest.sha256, self.file, received, hasher

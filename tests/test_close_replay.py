@@ -41,6 +41,7 @@ def test_a_crash_between_publishing_and_checkpointing_gives_the_same_theta(
     core.tick()  # round 1 opens
 
     def crash(self, ckpt):  # the process dies before the checkpoint of round 2 is written
+        core.stopping.set()  # (a failed write is otherwise retried until it succeeds)
         raise OSError("killed")
 
     monkeypatch.setattr(store_mod.CheckpointStore, "save", crash)
