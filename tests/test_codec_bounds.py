@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import struct
+import zlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,7 +24,9 @@ from wire.codecs import (
     TopKCodec,
     data_bounds,
 )
+from wire.codecs.base import HEADER
 from wire.codecs.varint import max_varint_bytes, varint_decode, varint_encode
+from wire.tensors import Manifest, PayloadError, TensorEntry, validate_manifest
 
 CODECS = [
     NoneCodec(),
@@ -128,3 +133,29 @@ def test_bounds_follow_the_stated_formulas():
     vbytes = -(-2 * k // 4) * 4
     assert TopKCodec().max_encoded_bytes(shape) == vbytes + max_varint_bytes(k, n)
     assert TopKCodec(values="fp32", indices="int32").max_encoded_bytes(shape) == 8 * k
+
+
+def _entry_claiming(entry: TensorEntry, nbytes: int) -> Manifest:
+    """A one-tensor manifest whose entry and meta both claim ``nbytes`` (meta CRC redone)."""
+    fields = list(HEADER.unpack_from(entry.codec_meta))
+    fields[5] = nbytes
+    head = HEADER.pack(*fields) + entry.codec_meta[HEADER.size : -4]
+    meta = head + struct.pack("<I", zlib.crc32(head))
+    return Manifest((replace(entry, nbytes=nbytes, codec_meta=meta),), nbytes, b"\0" * 32)
+
+
+@pytest.mark.parametrize("codec", [c for c in CODECS if c.name != "none"], ids=str)
+def test_a_manifest_entry_is_held_to_its_codec_bounds(codec):
+    shape = (300, 70)  # 21000 elements: top-k's varint indices have room to vary
+    x = _random(shape, torch.float32, 5)
+    enc = CodecState().encode("w", x, codec)
+    entry = TensorEntry("w", "float32", shape, 0, enc.data.numel(), enc.codec, enc.meta)
+    validate_manifest(Manifest((entry,), entry.nbytes, b"\0" * 32))
+    fewest, most = data_bounds(enc.meta)
+    for claimed in (most + 1, fewest - 1, 64 << 20):
+        with pytest.raises(PayloadError) as err:
+            validate_manifest(_entry_claiming(entry, claimed))
+        message = str(err.value)
+        assert f"'w' (codec {codec.name!r}): {claimed} bytes claimed" in message, message
+        assert str(most) in message and str(fewest) in message, message
+    validate_manifest(_entry_claiming(entry, most))  # the bound itself is a valid claim
