@@ -22,6 +22,7 @@ from site_client.agent_state import AgentConfig, AgentState, default_shm_dir
 from site_client.compression import CODEC_STATE_FILE, compression_of, load_codec_state
 from site_client.coordinator_client import CoordinatorClient, CoordinatorError
 from site_client.local_ipc import IpcServer
+from site_client.scratch import claim, reclaim_abandoned
 from site_client.trainer_channel import TrainerChannel
 from site_client.wan import WanWorker
 from wire.backoff import DeadlineExceeded
@@ -44,7 +45,9 @@ class SiteAgent:
         self.heartbeat_interval_s = 5.0
         self.job_name = ""
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        cfg.shm_dir.mkdir(parents=True, exist_ok=True)
+        # A killed agent of this site could not remove its folder: its theta is still in memory.
+        reclaim_abandoned(cfg.shm_dir.parent, cfg.site, keep=cfg.shm_dir)
+        self._owner = claim(cfg.shm_dir)
         self.ipc = IpcServer(cfg.shm_dir / "agent.sock", self.channel.handlers())
         self._threads: list[threading.Thread] = []
 
@@ -103,6 +106,7 @@ class SiteAgent:
             t.join(timeout=0.5 if t.name == "agent-watch" else 5)
         self.ipc.close()
         shutil.rmtree(self.cfg.shm_dir, ignore_errors=True)
+        self._owner.close()
 
     def fail(self, message: str) -> None:
         self.state.fail(message)

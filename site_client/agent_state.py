@@ -10,16 +10,18 @@ wanted live in one place.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from site_client.scratch import default_shm_dir
 from site_client.tasks import Task, TaskBook, Upload, describe, unit_index
 from site_client.theta_fetch import GlobalState
 from wire.proto import isthmus_pb2 as pb
 
 log = logging.getLogger("isthmus.site")
+# default_shm_dir lives in site_client.scratch; importable from here as before.
+__all__ = ["AgentConfig", "AgentState", "Offer", "default_shm_dir"]
 
 
 @dataclass(frozen=True)
@@ -29,11 +31,6 @@ class AgentConfig:
     shm_dir: Path
     inner_steps: int | None = None  # None: the job's H
     wait_poll_s: float = 1.0
-
-
-def default_shm_dir(site: str) -> Path:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-    return base / f"isthmus-{site}-{os.getpid()}"
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,23 @@ def delta_like(core: CoordinatorCore, value: float) -> dict[str, torch.Tensor]:
 def push(core, site, token, round_number, delta, *, unit="", base=None, upload_id=None):
     """One whole upload; returns True when counted (raises ``Refused`` otherwise)."""
     manifest, payload = pack(delta)
+    return push_payload(
+        core,
+        site,
+        token,
+        round_number,
+        manifest,
+        payload,
+        unit=unit,
+        base=base,
+        upload_id=upload_id,
+    )
+
+
+def push_payload(
+    core, site, token, round_number, manifest, payload, *, unit="", base=None, upload_id=None
+):
+    """``push`` of a payload already laid out (encoded, in pieces, or hostile)."""
     header = PushHeader(
         site=site,
         token=token,

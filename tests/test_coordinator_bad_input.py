@@ -7,6 +7,7 @@ then closes on the good updates its theta equals the reference computed without 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 import time
@@ -337,6 +338,18 @@ def case_oversize(site, r, theta):
     return INVALID, ("exceeds the limit", str(MAX_UPDATE_BYTES)), [header(site, r, big)]
 
 
+def case_slack_after_tensors(site, r, theta):
+    # Under server.max_update_bytes, with a true SHA-256 of the padded payload: only the
+    # model's size refuses it (the bytes after the last tensor are wanted by no one).
+    m, p = _pack_payload(good_delta(theta, site.name))
+    padded = p + bytes(MAX_UPDATE_BYTES - len(p))
+    fat = m.to_proto()
+    fat.total_bytes = len(padded)
+    fat.sha256 = hashlib.sha256(padded).digest()
+    needles = ("nothing may follow", str(MAX_UPDATE_BYTES), f"byte {len(p)}")
+    return INVALID, needles, [header(site, r, fat), *chunks(padded, size=1024)]
+
+
 def case_bad_manifest_sha(site, r, theta):
     m, p = _pack_payload(good_delta(theta, site.name))
     short = m.to_proto()
@@ -408,6 +421,7 @@ CASES = {
     "future_round": case_future_round,
     "wrong_base_version": case_wrong_base_version,
     "oversize": case_oversize,
+    "slack_after_tensors": case_slack_after_tensors,
     "bad_manifest_sha": case_bad_manifest_sha,
     "unknown_codec": case_unknown_codec,
     "overlapping_tensors": case_overlapping_tensors,

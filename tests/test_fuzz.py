@@ -11,6 +11,7 @@ a strict xfail reproducer here.
 
 from __future__ import annotations
 
+import hashlib
 import signal
 import subprocess
 import sys
@@ -117,6 +118,30 @@ def test_a_push_ending_in_an_undecodable_message_is_not_counted(fz):
     while time.monotonic() < deadline:
         assert fz._status().updates_received == 0, "the client was told INTERNAL, yet it counted"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("where", ["after the last tensor", "before a tensor"])
+def test_a_push_claiming_bytes_no_tensor_needs_is_not_counted(fz, where):
+    """Found once the oracle knew the layout rule (``relabel_dtype`` to bfloat16 left 256 bytes
+    after the tensors): zero bytes after the last tensor or before one, the payload's SHA-256
+    true and the total under ``max_update_bytes``, was counted."""
+    msgs = _valid_push(fz, upload_id=f"repro-slack-{where[0]}")
+    header, data = msgs[0].header, msgs[1].chunk.data
+    extra = fuzz.MAX_UPDATE_BYTES - len(data)
+    if where == "before a tensor":
+        last = max(header.manifest.tensors, key=lambda t: t.offset)
+        data = data[: last.offset] + bytes(extra) + data[last.offset :]
+        last.offset += extra
+    else:
+        data += bytes(extra)
+    header.manifest.total_bytes = len(data)
+    header.manifest.sha256 = hashlib.sha256(data).digest()
+    msgs[1].chunk.data = data
+    with pytest.raises(grpc.RpcError) as err:
+        fz.stub.Push(iter(msgs), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert str(extra) in err.value.details() or str(len(data)) in err.value.details()
+    assert fz._status().updates_received == 0
 
 
 def test_names_with_a_trailing_newline_are_refused(fz):

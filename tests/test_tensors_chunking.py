@@ -189,6 +189,12 @@ def _with_entry(manifest: Manifest, i: int, **changes) -> Manifest:
         (lambda m: replace(m, sha256=b"\0" * 31), "sha256 must be 32 bytes"),
         (lambda m: replace(m, sha256=b""), "sha256 must be 32 bytes"),
         (lambda m: replace(m, total_bytes=-1), "negative"),
+        (lambda m: replace(m, total_bytes=m.total_bytes + 1), "nothing may follow the last"),
+        (lambda m: replace(m, entries=(), total_bytes=64), "end at byte 0 .no tensors"),
+        (
+            lambda m: replace(_with_entry(m, 1, offset=128), total_bytes=168),
+            "'b' .codec 'none'. starts at byte 128, 104 bytes after .* by byte 64",
+        ),
     ],
 )
 def test_validate_manifest_refuses(mutate, message):
@@ -212,6 +218,15 @@ def test_validate_accepts_empty_tensor_sharing_an_offset_in_any_order():
     validate_manifest(swapped)
     out = unpack(swapped, bytes(payload))
     assert torch.equal(out["x"], torch.ones(3)) and out["e"].numel() == 0
+
+
+def test_validate_accepts_back_to_back_and_aligned_layouts():
+    # pack aligns each start to 64 bytes; safetensors files lay tensors end to end.
+    aligned = _good_manifest()
+    assert aligned.entries[1].offset == 64
+    validate_manifest(aligned)
+    packed = replace(_with_entry(aligned, 1, offset=24), total_bytes=64)
+    validate_manifest(packed)
 
 
 def test_unpack_validates_hostile_manifest_before_reading():

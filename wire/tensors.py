@@ -4,6 +4,11 @@ Nothing is pickled. A payload is the tensors' little-endian bytes laid end to en
 aligned to 64 bytes so that it can be viewed in place), and the manifest says, per tensor, its
 name, dtype, shape, codec and byte range. Decoding checks every entry against the buffer before
 it reads a byte, so a hostile manifest cannot make the reader run off the end or alias tensors.
+
+A manifest also says how many bytes will follow it, so it is held to what its tensors need:
+each entry exactly its codec's size for its shape (``wire.codecs.data_bounds``; top-k a
+range), each start no later than the previous end aligned up to ``ALIGN``, nothing after the
+last tensor. A receiver can then refuse an oversized update before it stores a byte of it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from wire.codecs import (
     MAX_META_BYTES,
     CodecError,
     CodecState,
+    data_bounds,
     decode,
     meta_info,
 )
@@ -209,8 +215,8 @@ def validate_manifest(manifest: Manifest, max_total_bytes: int | None = None) ->
             raise PayloadError(f"tensor {e.name!r}: raw bytes (codec 'none') carry no codec_meta")
         if e.codec == "none" and e.nbytes != e.numel * itemsize:
             raise PayloadError(
-                f"tensor {e.name!r}: {e.nbytes} bytes do not hold shape {list(e.shape)} "
-                f"of {e.dtype} ({e.numel * itemsize} bytes)"
+                f"tensor {e.name!r} (codec 'none'): {e.nbytes} bytes do not hold shape "
+                f"{list(e.shape)} of {e.dtype} ({e.numel * itemsize} bytes)"
             )
         if e.offset < end_of_previous:
             raise PayloadError(f"tensor {e.name!r} overlaps the tensor before it")
@@ -219,7 +225,34 @@ def validate_manifest(manifest: Manifest, max_total_bytes: int | None = None) ->
                 f"tensor {e.name!r} ends at byte {e.offset + e.nbytes}, "
                 f"past the payload's {manifest.total_bytes} bytes"
             )
+        _check_gap(e, end_of_previous)
         end_of_previous = e.offset + e.nbytes
+    _check_total(manifest, end_of_previous)
+
+
+def _check_gap(e: TensorEntry, end_of_previous: int) -> None:
+    """Bytes between two tensors are alignment padding only (``pack`` aligns each start to
+    ``ALIGN``, safetensors none): a gap beyond that is space no tensor needs."""
+    latest = _aligned(end_of_previous)
+    if e.offset > latest:
+        raise PayloadError(
+            f"tensor {e.label[:80]!r} (codec {e.codec!r}) starts at byte {e.offset}, "
+            f"{e.offset - end_of_previous} bytes after the tensor before it ends; it must start "
+            f"by byte {latest} (the next {ALIGN}-byte boundary)"
+        )
+
+
+def _check_total(manifest: Manifest, end: int) -> None:
+    """``total_bytes`` is where the last tensor ends: bytes after it would be received and
+    stored for nothing (``end``: where the last one ends, 0 for no tensors)."""
+    if manifest.total_bytes == end:
+        return
+    last = max(manifest.entries, key=lambda e: (e.end, e.offset), default=None)
+    what = "no tensors" if last is None else f"the last, {last.label[:80]!r} (codec {last.codec!r})"
+    raise PayloadError(
+        f"payload of {manifest.total_bytes} bytes claimed, but its tensors end at byte {end} "
+        f"({what}); nothing may follow the last tensor"
+    )
 
 
 def _check_box(e: TensorEntry) -> None:
@@ -245,6 +278,7 @@ def _check_codec_meta(e: TensorEntry) -> None:
         raise PayloadError(f"tensor {e.name!r}: codec_meta of {len(e.codec_meta)} bytes")
     try:
         info = meta_info(e.codec_meta)
+        fewest, most = data_bounds(e.codec_meta)
     except CodecError as exc:
         raise PayloadError(f"tensor {e.name!r}: {exc}") from exc
     if info["data_nbytes"] != e.nbytes:
@@ -256,6 +290,12 @@ def _check_codec_meta(e: TensorEntry) -> None:
         raise PayloadError(
             f"tensor {e.name!r}: its codec_meta describes {info.get('numel')} elements of "
             f"codec {str(info.get('codec'))[:20]!r}, the manifest {e.numel} of {e.codec!r}"
+        )
+    if not fewest <= e.nbytes <= most:
+        size = f"exactly {most}" if fewest == most else f"{fewest} to {most}"
+        raise PayloadError(
+            f"tensor {e.label[:80]!r} (codec {e.codec!r}): {e.nbytes} bytes claimed, but "
+            f"{e.numel} elements of shape {list(e.shape[:8])} take {size} bytes in its encoding"
         )
 
 

@@ -12,11 +12,13 @@ Cases come from three sources:
   leases, progress, versions, offsets, manifests, chunks);
 * mutations of a valid message: a valid push for the open round from ``fz-a`` (or a valid
   Heartbeat/Fetch/Leave) with one to three fields or bytes altered: header fields, manifest
-  entries, chunk offsets/data/order/count, stream structure (no header, two headers, chunks
-  before the header, an empty message), NaN/Inf with a correct SHA-256, an interrupted upload
-  resumed with a hostile continuation, a stream cancelled by the client, a second stream for
-  an upload held open by a first (busy), one serialized message with a byte flipped, inserted,
-  deleted or truncated, or an extra undecodable message (the server then sees bad bytes);
+  entries, bytes claimed that no tensor needs (after the last one or before one, the payload
+  padded to match and its SHA-256 recomputed), chunk offsets/data/order/count, stream
+  structure (no header, two headers, chunks before the header, an empty message), NaN/Inf
+  with a correct SHA-256, an interrupted upload resumed with a hostile continuation, a stream
+  cancelled by the client, a second stream for an upload held open by a first (busy), one
+  serialized message with a byte flipped, inserted, deleted or truncated, or an extra
+  undecodable message (the server then sees bad bytes);
 * oversized messages (33 MB, 4 MiB + 1 chunks, 100001 tensors, 1 MB strings echoed back).
 
 The invariant is *hostile input changes nothing*. A client-side oracle, written from the

@@ -36,6 +36,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 WIRE_DTYPES = [
     "float32", "float64", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"
 ]  # fmt: skip
+ALIGN = 64  # tensors start at most this far aligned after the previous one ends
 SPEC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # used with fullmatch: 1-63 chars
 
 ALLOWED = frozenset(

@@ -1,15 +1,19 @@
 """Push mutation ops on the manifest's tensor entries: a field altered, an entry dropped,
-duplicated, added, reordered or renamed, every dtype relabelled."""
+duplicated, added, reordered or renamed, every dtype relabelled, bytes claimed that no tensor
+needs (after the last one or before one)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 from hypothesis import strategies as st
 
+from wire.proto import isthmus_pb2 as pb
+
 from .cases import _short
-from .constants import U64_MAX, UPDATE_ITEMSIZE, WIRE_DTYPES, _i64, _u64
-from .mutations_header import _copy, _needs_header, _needs_tensor
+from .constants import MAX_UPDATE_BYTES, U64_MAX, UPDATE_ITEMSIZE, WIRE_DTYPES, _i64, _u64
+from .mutations_header import _chunk_indices, _copy, _needs_header, _needs_tensor
 from .strategies import I64, TEXT, U64
 
 
@@ -130,3 +134,33 @@ def relabel_dtype(fz, data, msgs, h):
         t.dtype = dtype
         t.nbytes = _u64(math.prod(t.shape) * UPDATE_ITEMSIZE[dtype])
     return f"relabel_dtype({dtype})"
+
+
+@_needs_header
+def total_slack(fz, data, msgs, h):
+    """``extra`` zero bytes after the last tensor or before the last-placed one, under the
+    size limit, sent in full with the SHA-256 recomputed: nothing but the rule that a payload
+    holds its tensors and their alignment padding only refuses it."""
+    m = h.manifest
+    where = data.draw(st.sampled_from(["after", "before"]))
+    room = max(1, MAX_UPDATE_BYTES - m.total_bytes)
+    extra = data.draw(st.sampled_from([1, 63, 64, 65, room]) | st.integers(1, room))
+    idx = _chunk_indices(msgs)
+    payload = bytearray(b"".join(msgs[i].chunk.data for i in idx))
+    if where == "before" and m.tensors:
+        t = max(m.tensors, key=lambda t: t.offset)
+        payload[t.offset : t.offset] = bytes(extra)
+        t.offset = _u64(t.offset + extra)
+    else:
+        payload += bytes(extra)
+    m.total_bytes = _u64(m.total_bytes + extra)
+    m.sha256 = hashlib.sha256(payload).digest()
+    size = max((len(msgs[i].chunk.data) for i in idx), default=0) or 512
+    at = idx[0] if idx else len(msgs)
+    for i in reversed(idx):
+        del msgs[i]
+    msgs[at:at] = [
+        pb.PushMessage(chunk=pb.Chunk(offset=o, data=bytes(payload[o : o + size])))
+        for o in range(0, len(payload), size)
+    ]
+    return f"total_slack({where}, +{extra})"

@@ -38,6 +38,7 @@ from .mutations_manifest import (
     tensor_reorder,
     tensor_swap_names,
     tensors_clear,
+    total_slack,
 )
 from .strategies import U64
 
@@ -217,6 +218,7 @@ OPS: dict[str, dict[str, Callable]] = {
         tensor_swap_names,
         tensors_clear,
         relabel_dtype,
+        total_slack,
     ),
     "chunks": _by_name(
         flip_byte,

@@ -12,7 +12,14 @@ import numpy as np
 
 from wire.proto import isthmus_pb2 as pb
 
-from .constants import MAX_CHUNK_BYTES, MAX_UPDATE_BYTES, SPEC_NAME, TRAINABLE, UPDATE_ITEMSIZE
+from .constants import (
+    ALIGN,
+    MAX_CHUNK_BYTES,
+    MAX_UPDATE_BYTES,
+    SPEC_NAME,
+    TRAINABLE,
+    UPDATE_ITEMSIZE,
+)
 
 
 @dataclass
@@ -47,11 +54,16 @@ def manifest_problem(m: pb.Manifest) -> str | None:
         if t.offset + t.nbytes > m.total_bytes:
             return "past the end"
         ranges.append((t.offset, t.offset + t.nbytes))
-    ranges.sort()
-    for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False):
+    # Laid end to end in offset order, each start at most aligned up to ALIGN, nothing after
+    # the last: bytes no tensor needs are refused.
+    end = 0
+    for start, stop in sorted(ranges):
         if start < end:
             return "overlap"
-    return None
+        if start > -(-end // ALIGN) * ALIGN:
+            return "gap"
+        end = stop
+    return "slack" if m.total_bytes != end else None
 
 
 def all_finite(entries, data: bytes) -> bool:

@@ -20,6 +20,9 @@ int4     0.5 + scales           0.5 * s_b, s_b ~ max|x_b| / 7                   
 topk     ~(2 + 1.2) * fraction  unsent |v| <= smallest sent; sent fp16 2^-11 rel.   default on
 =======  =====================  ==================================================  ============
 
+Size: ``codec.max_encoded_bytes(shape, dtype)`` is the most data bytes ``encode`` writes (exactly
+that many but for topk); a receiver bounds an entry by ``data_bounds(meta)`` before it takes a byte.
+
 Range: fp16 refuses ``|x| >= 65520``, bf16 ``|x| >= 3.396e38``; int8, int4 and topk refuse
 ``|x| + max|r| >= 1.7e38``; none takes anything finite.
 
@@ -37,6 +40,7 @@ from wire.codecs.registry import (
     CODEC_NAMES,
     CODECS,
     codec_params,
+    data_bounds,
     decode,
     decode_into,
     make_codec,
@@ -67,6 +71,7 @@ __all__ = [
     "TopKCodec",
     "choose_codec",
     "codec_params",
+    "data_bounds",
     "decode",
     "decode_into",
     "make_codec",

@@ -33,6 +33,7 @@ import math
 import struct
 import zlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -108,6 +109,9 @@ class Codec(ABC):
     name: ClassVar[str]
     codec_id: ClassVar[int]
     params: ClassVar[struct.Struct] = struct.Struct("<")
+    # Whether the data's size follows from the element count and parameters alone (else it
+    # also depends on the values: top-k sends fewer values for sparser input, varint gaps vary).
+    exact_size: ClassVar[bool] = True
     error_feedback: bool = False
 
     def encode(self, x: torch.Tensor, state=None, *, name: str = "") -> Encoded:
@@ -150,6 +154,32 @@ class Codec(ABC):
         data, params = self._encode(xf, state, name)
         return Encoded(self.name, data, build_meta(self, xf, data, params))
 
+    def max_encoded_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
+        """The most data bytes ``encode`` writes for a tensor of ``shape`` and ``dtype``.
+
+        Exactly that many for a codec with ``exact_size``. The meta (at most ``MAX_META_BYTES``)
+        is not counted: it travels apart, in the entry's ``codec_meta``.
+        """
+        n = math.prod(int(d) for d in shape)
+        return self.data_bytes(n, dtype, self._size_params(n))[1]
+
+    def _size_params(self, numel: int) -> tuple:
+        """The meta parameters ``encode`` writes for ``numel`` elements, as far as they decide
+        the data's size (those that depend on the values are left 0)."""
+        return ()
+
+    @classmethod
+    @abstractmethod
+    def data_bytes(cls, numel: int, dtype: torch.dtype, params: tuple) -> tuple[int, int]:
+        """``(fewest, most)`` data bytes a valid encoding of ``numel`` elements of source
+        ``dtype`` with the meta's (already checked) ``params`` has; equal for ``exact_size``."""
+
+    @classmethod
+    def data_range(cls, h: Header, name: str) -> tuple[int, int]:
+        """Check a meta's parameters; ``data_bytes`` for its element count and dtype."""
+        cls._check_params(h, name)
+        return cls.data_bytes(h.numel, h.dtype, h.params)
+
     @abstractmethod
     def _encode(self, xf: torch.Tensor, state, name: str) -> tuple[torch.Tensor, tuple]:
         """Flat contiguous CPU input -> (uint8 data, parameter tuple for the meta)."""
@@ -162,10 +192,9 @@ class Codec(ABC):
         """Write (``add=False``) or add ``alpha`` times the decoded values into flat ``out``.
         Must raise before touching ``out`` if anything is invalid; ``out=None``: only check."""
 
-    @classmethod
-    def _check_params(cls, h: Header, name: str) -> int | None:
-        """Validate the parameters; return the data length they imply (None: variable)."""
-        return None
+    @classmethod  # noqa: B027 (a no-op by default: most codecs take no parameters)
+    def _check_params(cls, h: Header, name: str) -> None:
+        """Raise ``CodecError`` unless the meta's parameters are valid."""
 
 
 def build_meta(codec: Codec, xf: torch.Tensor, data: torch.Tensor, params: tuple) -> bytes:

@@ -54,8 +54,8 @@ class NoneCodec(Codec):
         return xf.view(torch.uint8) if xf.numel() else torch.empty(0, dtype=torch.uint8), ()
 
     @classmethod
-    def _check_params(cls, h: Header, name: str) -> int:
-        return h.numel * h.dtype.itemsize
+    def data_bytes(cls, numel: int, dtype: torch.dtype, params: tuple) -> tuple[int, int]:
+        return numel * dtype.itemsize, numel * dtype.itemsize
 
     @classmethod
     def _decode(cls, out, data, h: Header, alpha: float, add: bool, name: str) -> None:
@@ -83,8 +83,8 @@ class _CastCodec(Codec):
         return data, ()
 
     @classmethod
-    def _check_params(cls, h: Header, name: str) -> int:
-        return h.numel * 2
+    def data_bytes(cls, numel: int, dtype: torch.dtype, params: tuple) -> tuple[int, int]:
+        return numel * 2, numel * 2
 
     @classmethod
     def _decode(cls, out, data, h: Header, alpha: float, add: bool, name: str) -> None:

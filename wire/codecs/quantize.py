@@ -17,6 +17,8 @@ matters, from 1e-30 to 1e30. Inputs with ``|x| + max|r| >= 1.7e38`` are refused.
 
 Data layout: scales (``nblocks`` fp16/fp32), then int8 values, or for int4 the values plus 8
 packed two per byte (element 2i in the low nibble, 2i+1 in the high one; a pad nibble is 8).
+So n elements take exactly ``ceil(n / block) * (2 or 4) + n`` bytes (int8) or ``... +
+ceil(n / 2)`` (int4): ``data_bytes``, which the receiver checks before it stores a byte.
 
 Error feedback (default on for int4): the codec quantises ``v = x + r`` and leaves
 ``r = v - x'`` in the state, so ``|r| <= 0.5002 * s_b`` after every round.
@@ -162,8 +164,17 @@ class _BlockQuant(Codec):
         torch.bitwise_right_shift(w, 4, out=w2).bitwise_or_(w)
         qdata[e0 // 2 : e0 // 2 + npairs].copy_(w2.bitwise_and_(255))
 
+    def _size_params(self, numel: int) -> tuple:
+        return self.block, SCALE_DTYPES[self.scale_dtype][0], 0.0
+
     @classmethod
-    def _check_params(cls, h: Header, name: str) -> int:
+    def data_bytes(cls, numel: int, dtype: torch.dtype, params: tuple) -> tuple[int, int]:
+        bsz, code, _ = params
+        n = -(-numel // bsz) * _SCALE_BY_CODE[code].itemsize + cls._qbytes(numel)
+        return n, n
+
+    @classmethod
+    def _check_params(cls, h: Header, name: str) -> None:
         bsz, code, unit = h.params
         if not (MIN_BLOCK <= bsz <= MAX_BLOCK and bsz & (bsz - 1) == 0):
             raise CodecError(f"{who(name)}: codec meta has an invalid block size {bsz}")
@@ -172,7 +183,6 @@ class _BlockQuant(Codec):
             raise CodecError(f"{who(name)}: codec meta has an invalid scale dtype code {code}")
         if not (math.isfinite(unit) and unit >= 0) or (sdtype == torch.float32 and unit != 0):
             raise CodecError(f"{who(name)}: codec meta has an invalid scale unit {unit!r}")
-        return -(-h.numel // bsz) * sdtype.itemsize + cls._qbytes(h.numel)
 
     @classmethod
     def _decode(cls, out, data, h: Header, alpha: float, add: bool, name: str) -> None:

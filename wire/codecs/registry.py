@@ -70,15 +70,33 @@ def _checked_data(cls: type[Codec], h: Header, crc: int, data: BytesLike, name: 
             f"{who(name)}: codec data is {u8.numel()} bytes, its meta says {h.data_nbytes} "
             "(truncated or mismatched)"
         )
-    expected = cls._check_params(h, name)
-    if expected is not None and expected != h.data_nbytes:
+    lo, hi = cls.data_range(h, name)
+    if not lo <= h.data_nbytes <= hi:
         raise CodecError(
-            f"{who(name)}: {cls.name} data for {h.numel} elements must be {expected} bytes, "
-            f"the meta says {h.data_nbytes}"
+            f"{who(name)}: {cls.name} data for {h.numel} elements must be {_span(lo, hi)} "
+            f"bytes, the meta says {h.data_nbytes}"
         )
     if zlib.crc32(as_memoryview(u8)) != crc:
         raise CodecError(f"{who(name)}: codec data fails its CRC32 check (corrupted)")
     return u8
+
+
+def _span(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"{lo} to {hi}"
+
+
+def data_bounds(meta: bytes, name: str = "") -> tuple[int, int]:
+    """``(fewest, most)`` data bytes the tensor ``meta`` describes may have: what its codec
+    writes for its element count and parameters (equal but for top-k). For refusing an oversized
+    entry before any of its bytes are received.
+
+    Raises
+    ------
+    CodecError
+        A meta that does not parse, or invalid parameters.
+    """
+    cls, h, _ = parse_meta(meta, _BY_ID, None, name)
+    return cls.data_range(h, name)
 
 
 def decode_into(

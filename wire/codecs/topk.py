@@ -16,7 +16,10 @@ max |v|`` (fp32, in the meta), so ``|v - v'| <= 2^-11 |v| (1 + 2^-10)`` for ``|v
 Data layout: the values (fp16 or fp32), zero padding to a multiple of 4 bytes, then the indices in
 increasing order: ``int32``, or ``varint`` = LEB128 of the gaps (``idx[0]``, then ``idx[i] -
 idx[i-1] - 1``), about 1.2 bytes per index at 1 % density. Decoding checks the count, that the
-indices are strictly increasing and below numel, and that the values are finite.
+indices are strictly increasing and below numel, and that the values are finite. So k values
+take ``ceil4(k * (2 or 4)) + 4 k`` bytes with int32 indices, and between ``ceil4(...) + k`` and
+``ceil4(...) + max_varint_bytes(k, numel)`` with varint ones (``data_bytes``); k is at most
+``ceil(fraction * numel)``, fewer when fewer elements are non-zero.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from wire.codecs.base import (
     typed,
     who,
 )
-from wire.codecs.varint import varint_decode, varint_encode
+from wire.codecs.varint import max_varint_bytes, varint_decode, varint_encode
 
 VALUE_DTYPES = {"fp16": (1, torch.float16), "fp32": (2, torch.float32)}
 _VALUE_BY_CODE = {code: dt for code, dt in VALUE_DTYPES.values()}
@@ -172,6 +175,7 @@ class TopKCodec(Codec):
     name: ClassVar[str] = "topk"
     codec_id: ClassVar[int] = 5
     params: ClassVar[struct.Struct] = struct.Struct("<QBBf")  # k, index code, value code, g
+    exact_size: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         f = self.fraction
@@ -219,6 +223,18 @@ class TopKCodec(Codec):
             state.bound = finite_absmax(v, name)
         return data, (idx.numel(), icode, vcode, g)
 
+    def _size_params(self, numel: int) -> tuple:
+        return self.k_for(numel), INDEX_CODES[self.indices], VALUE_DTYPES[self.values][0], 0.0
+
+    @classmethod
+    def data_bytes(cls, numel: int, dtype: torch.dtype, params: tuple) -> tuple[int, int]:
+        k, icode, vcode, _ = params
+        vbytes = k * _VALUE_BY_CODE[vcode].itemsize
+        offset = vbytes + (-vbytes % 4)
+        if icode == 1:
+            return offset + 4 * k, offset + 4 * k
+        return offset + k, offset + max_varint_bytes(k, numel)
+
     @classmethod
     def _layout(cls, h: Header, name: str) -> tuple[int, torch.dtype, int]:
         k, icode, vcode, g = h.params
@@ -232,13 +248,8 @@ class TopKCodec(Codec):
         return k, vdtype, vbytes + (-vbytes % 4)
 
     @classmethod
-    def _check_params(cls, h: Header, name: str) -> int | None:
-        k, _, offset = cls._layout(h, name)
-        if h.params[1] == 1:
-            return offset + 4 * k
-        if not k <= h.data_nbytes - offset <= 5 * k:
-            raise CodecError(f"{who(name)}: top-k data of {h.data_nbytes} bytes cannot hold k={k}")
-        return None
+    def _check_params(cls, h: Header, name: str) -> None:
+        cls._layout(h, name)
 
     @classmethod
     def _decode(cls, out, data, h: Header, alpha: float, add: bool, name: str) -> None:

@@ -28,6 +28,24 @@ def varint_encode(gaps: torch.Tensor) -> torch.Tensor:
     return groups.to(torch.uint8)[pos < nbytes[:, None]]
 
 
+def max_varint_bytes(k: int, numel: int) -> int:
+    """The most bytes ``k`` strictly increasing indices below ``numel`` take as LEB128 gaps.
+
+    The gaps are at least 0 and sum to at most ``numel - k``. A gap takes one more byte per
+    7-bit threshold it reaches (2^7, 2^14, ...), and reaching each further threshold costs more
+    of that sum than the one before, so buying the cheapest extra bytes first (every gap to
+    2^7 that the sum allows, then to 2^14, ...) is the maximum, and it is reachable.
+    """
+    if k <= 0:
+        return 0
+    budget, total, count, reached = numel - k, k, k, 0
+    for bits in (7, 14, 21, 28):
+        step = (1 << bits) - reached
+        count = min(count, budget // step)
+        total, budget, reached = total + count, budget - count * step, 1 << bits
+    return total
+
+
 def varint_decode(b: torch.Tensor, k: int, numel: int, name: str) -> torch.Tensor:
     """Indices from LEB128 gaps; raises unless exactly k numbers, each <= 5 bytes, all < numel."""
     term = b < 128
