@@ -58,9 +58,10 @@ class CoordinatorCore:
         self.uploads = UploadTable(self.spool)
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)
+        # Before the start is counted: a damaged log refuses to start and changes nothing.
+        self.events = EventLog(cfg.state_dir / "events.jsonl")
         self.members = Membership(self.store.next_epoch(), cfg.timeouts, cfg.rounds.max_sites)
         self.downlink = Downlink(cfg.downlink) if cfg.downlink is not None else None
-        self.events = EventLog(cfg.state_dir / "events.jsonl")
         self.sink = EventSink(self.events)
         self.writer = CheckpointWriter(self.store)
         self._folder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fold")

@@ -20,15 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.store import fsync_dir
+from coordinator.store import StoreError, fsync_dir
 
 log = logging.getLogger("isthmus.coordinator")
 
 RESERVED = ("seq", "wall", "kind")
 
 
-class EventLogError(RuntimeError):
-    """The event log cannot be used; the message names the file and line."""
+class EventLogError(StoreError):
+    """The event log cannot be used; the message names the file and line.
+
+    A ``StoreError``: like a damaged checkpoint, it stops start-up with that one line.
+    """
 
 
 @dataclass
@@ -66,7 +69,11 @@ def _scan(path: Path, *, keep_since: int | None) -> _Scan:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if pending is not None:
-                raise EventLogError(f"{path}: line {pending[0]}: {pending[1]}")
+                raise EventLogError(
+                    f"event log {path}: line {pending[0]}: {pending[1]}; a line before the "
+                    "last is damaged (a crash tears only the last one): move the file aside "
+                    "to start a new log"
+                )
             try:
                 event = _parse(raw, scan.last_seq)
             except ValueError as exc:

@@ -13,6 +13,11 @@ import pytest
 
 from coordinator.events import EventLog, EventLogError, read_events
 
+try:  # tests/ as a package or as a plain folder on sys.path
+    from . import coord_harness as h
+except ImportError:
+    import coord_harness as h
+
 
 def test_round_trip_and_seq_continue_across_reopen(tmp_path):
     path = tmp_path / "state" / "deeper" / "events.jsonl"
@@ -189,3 +194,25 @@ def test_failed_append_leaves_no_trace(tmp_path, monkeypatch):
     assert events.append("b") == 2
     events.close()
     assert [e["kind"] for e in read_events(path)] == ["a", "b"]
+
+
+@pytest.mark.e2e
+def test_serve_refuses_a_log_damaged_in_the_middle_in_one_line(tmp_path):
+    """``coordinator serve`` on such a log: the CLI's one-line error, and nothing changed."""
+    config = h.write_config(tmp_path, h.job_config())
+    state = tmp_path / "state"
+    state.mkdir()
+    log_file = state / "events.jsonl"
+    damaged = b'{"seq":1,"wall":1.0,"kind":"a"}\n{"seq":2,"wa\x00\n'
+    damaged += b'{"seq":3,"wall":1.0,"kind":"b"}\n'
+    log_file.write_bytes(damaged)
+    result = h.run_cli("serve", "--config", str(config), "--insecure")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [x for x in result.stderr.splitlines() if not x.startswith("WARNING: --insecure")]
+    assert len(lines) == 1, result.stderr
+    line = lines[0]
+    assert line.startswith("coordinator: error: event log ") and str(log_file) in line, line
+    assert "line 2: not JSON" in line and "move the file aside" in line, line
+    assert log_file.read_bytes() == damaged
+    assert not (state / "epoch").exists(), "a refused start is not counted"
