@@ -17,12 +17,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.checkpointing import CheckpointWriter
 from coordinator.downlink import Downlink
-from coordinator.events import EventSink
+from coordinator.events import EventLog, EventSink
 from coordinator.membership import Membership
 from coordinator.publish import hash_theta, publication
 from coordinator.records import ClosedRound, FatalError
@@ -63,7 +62,7 @@ class CloseParts:
     uploads: UploadTable
     writer: CheckpointWriter
     sink: EventSink
-    events_closed_round: Callable[[], int | None]  # round of the log's newest round_closed
+    events: EventLog
 
 
 class ClosePipeline:
@@ -194,7 +193,7 @@ class ClosePipeline:
                 },
                 **self.p.data.meta(),
             }
-            if self.p.events_closed_round() != r:  # a replayed close was logged before a crash
+            if self.p.events.last_closed_round != r:  # a replayed close logged before a crash
                 self.p.sink.post(
                     "round_closed",
                     round=r,
@@ -210,6 +209,9 @@ class ClosePipeline:
     def checkpoint(self, order, nxt: ThetaBuffer, theta_hash: bytes, strategy_state, meta):
         r = order.round.number
         downlink = self.p.downlink.state_dict() if self.p.downlink is not None else {}
+        # Every event up to this one is durable before the checkpoint is: a restart that finds
+        # the log ending earlier knows that events were lost (EventLog.check_known).
+        meta = {**meta, "events_seq": self.p.events.last_seq}
         ckpt = Checkpoint(r + 1, nxt.tensors, strategy_state, meta, downlink, theta_hash)
         self.p.writer.submit(ckpt, lambda: self.p.spool.drop_rounds_before(r + 1))
 

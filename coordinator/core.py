@@ -114,7 +114,7 @@ class CoordinatorCore:
             self.uploads,
             self.writer,
             self.sink,
-            lambda: self.events.last_closed_round,
+            self.events,
         )
 
     @contextlib.contextmanager

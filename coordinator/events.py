@@ -1,11 +1,17 @@
 """The coordinator's append-only event log, kept beside its checkpoints.
 
-One JSON object per line, ``{"seq": n, "wall": <unix time>, "kind": ..., **fields}``, with ``seq``
-counting up from 1 across restarts. ``append`` returns only once the line is fsynced, so an event
-it has acknowledged survives a crash. A crash in the middle of ``append`` can leave only the last
+One record per line (``coordinator.event_format``: ``seq`` counting up by one from 1 across
+restarts, a CRC-32 per record). ``append`` returns only once the line is fsynced, so an event it
+has acknowledged survives a crash. A crash in the middle of ``append`` can leave only the last
 line torn (cut short, or without its newline); opening the log again cuts that line away before
 appending, and readers skip it. Anything unreadable before the last line is real damage, not a
-torn write, and is an ``EventLogError`` naming the file and line.
+torn write, and is an ``EventLogError`` naming the file and line: start-up stops there.
+
+Missing records are reported as an ERROR naming the file and the seqs lost: a seq that jumps
+(lines deleted), or a log that ends before an event the checkpoint knows of (``check_known``:
+the file was cut, or restored from an older copy; a torn tail after ``kill -9`` loses at most
+the one event not yet acknowledged, which no checkpoint can know of). Recovery goes on: the
+coordinator's state is its checkpoint and spool, never this log, which is history.
 """
 
 from __future__ import annotations
@@ -16,84 +22,44 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.store import StoreError, fsync_dir
+from coordinator.event_format import (
+    LOST,
+    RESERVED,
+    Damaged,
+    EventLogError,
+    Gap,
+    Scan,
+    encode,
+    lost_tail,
+    scan_lines,
+)
+from coordinator.store import fsync_dir
+
+__all__ = ["RESERVED", "EventLog", "EventLogError", "EventSink", "read_events"]
 
 log = logging.getLogger("isthmus.coordinator")
-
-RESERVED = ("seq", "wall", "kind")
-
-
-class EventLogError(StoreError):
-    """The event log cannot be used; the message names the file and line.
-
-    A ``StoreError``: like a damaged checkpoint, it stops start-up with that one line.
-    """
+RECOVERY_GOES_ON = (
+    "recovery goes on (the coordinator's state comes from its checkpoint and spool, not from "
+    "this log), but the history of those events is lost"
+)
 
 
-@dataclass
-class _Scan:
-    good_bytes: int = 0
-    last_seq: int = 0
-    events: list[dict[str, Any]] = field(default_factory=list)
-    torn: str | None = None  # why the last line was rejected, if it was
-    last_closed_round: int | None = None
-
-
-def _parse(raw: bytes, prev_seq: int) -> dict[str, Any]:
-    if not raw.endswith(b"\n"):
-        raise ValueError("no newline at the end")
-    try:
-        event = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"not JSON ({exc})") from None
-    if not isinstance(event, dict):
-        raise ValueError("not a JSON object")
-    seq = event.get("seq")
-    if isinstance(seq, bool) or not isinstance(seq, int):
-        raise ValueError(f"no integer seq (seq={seq!r})")
-    if seq <= prev_seq:
-        raise ValueError(f"seq {seq} does not follow seq {prev_seq}")
-    if not isinstance(event.get("kind"), str):
-        raise ValueError("no string kind")
-    return event
-
-
-def _scan(path: Path, *, keep_since: int | None) -> _Scan:
-    """Check every line of ``path``; keep the events after ``keep_since`` unless it is None."""
-    scan = _Scan()
-    pending: tuple[int, str] | None = None  # a bad line, which is fatal unless it is the last
+def _scan(path: Path, *, keep_since: int | None) -> Scan:
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if pending is not None:
-                raise EventLogError(
-                    f"event log {path}: line {pending[0]}: {pending[1]}; a line before the "
-                    "last is damaged (a crash tears only the last one): move the file aside "
-                    "to start a new log"
-                )
-            try:
-                event = _parse(raw, scan.last_seq)
-            except ValueError as exc:
-                pending = (lineno, str(exc))
-                continue
-            scan.good_bytes += len(raw)
-            scan.last_seq = event["seq"]
-            if event["kind"] == "round_closed" and isinstance(event.get("round"), int):
-                scan.last_closed_round = event["round"]
-            if keep_since is not None and event["seq"] > keep_since:
-                scan.events.append(event)
-    if pending is not None:
-        scan.torn = f"line {pending[0]}: {pending[1]}"
-    return scan
+        try:
+            return scan_lines(f, keep_since=keep_since)
+        except Damaged as exc:
+            raise exc.in_live_file(path) from None
 
 
 def read_events(path: Path, *, since_seq: int = 0) -> list[dict[str, Any]]:
     """The events in the log at ``path`` whose seq is greater than ``since_seq``, in order.
 
-    A torn last line (an append in progress, or cut short by a crash) is skipped.
+    A torn last line (an append in progress, or cut short by a crash) is skipped, and so is a
+    hole in the seqs (the coordinator reports it when it starts).
 
     Raises
     ------
@@ -103,6 +69,10 @@ def read_events(path: Path, *, since_seq: int = 0) -> list[dict[str, Any]]:
         A line before the last one is unreadable.
     """
     return _scan(Path(path), keep_since=since_seq).events
+
+
+def missing_message(where: Path, gap: Gap) -> str:
+    return f"event log {where}: {gap.describe()} before line {gap.line}; {RECOVERY_GOES_ON}"
 
 
 def _unserialisable(fields: dict[str, Any]) -> TypeError:
@@ -125,7 +95,6 @@ class EventLog:
 
     def __init__(self, path: Path) -> None:
         self._path = Path(path)
-        self.last_closed_round: int | None = None  # of the newest round_closed event
         self._lock = threading.Lock()
         self._path.parent.mkdir(parents=True, exist_ok=True)
         created = not self._path.exists()
@@ -135,23 +104,32 @@ class EventLog:
             if created:
                 os.fsync(self._file.fileno())
                 fsync_dir(self._path.parent)
-            scan = _scan(self._path, keep_since=None)
-            self.last_closed_round = scan.last_closed_round
-            if scan.torn is not None:
-                size = self._file.seek(0, os.SEEK_END)
-                log.warning(
-                    "event log %s: dropping a torn last %s (%d bytes)",
-                    self._path,
-                    scan.torn,
-                    size - scan.good_bytes,
-                )
-                os.ftruncate(self._file.fileno(), scan.good_bytes)
-                os.fsync(self._file.fileno())
+            scan = self._load()
         except BaseException:
             self._file.close()
             raise
+        self.last_closed_round = scan.last_closed_round  # of the newest round_closed event
         self._size = scan.good_bytes
         self._last_seq = scan.last_seq
+
+    def _load(self) -> Scan:
+        scan = _scan(self._path, keep_since=None)
+        for gap in scan.gaps:
+            if not gap.noted:
+                log.error("%s", missing_message(self._path, gap))
+        if scan.unchecked:
+            log.info("event log %s: %d record(s) without a checksum", self._path, scan.unchecked)
+        if scan.torn is not None:
+            size = self._file.seek(0, os.SEEK_END)
+            log.warning(
+                "event log %s: dropping a torn last %s (%d bytes)",
+                self._path,
+                scan.torn,
+                size - scan.good_bytes,
+            )
+            os.ftruncate(self._file.fileno(), scan.good_bytes)
+            os.fsync(self._file.fileno())
+        return scan
 
     @property
     def path(self) -> Path:
@@ -170,7 +148,7 @@ class EventLog:
         kind
             What happened, e.g. ``"round_closed"``.
         **fields
-            JSON-serialisable details; ``seq`` and ``wall`` are set here.
+            JSON-serialisable details; ``seq``, ``wall`` and ``crc`` are set here.
 
         Raises
         ------
@@ -187,24 +165,61 @@ class EventLog:
             if name in fields:
                 raise ValueError(f"event field {name!r} is reserved")
         with self._lock:
-            if self._file.closed:
-                raise EventLogError(f"{self._path}: the event log is closed")
-            seq = self._last_seq + 1
-            event = {"seq": seq, "wall": time.time(), "kind": kind, **fields}
-            try:
-                line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
-            except (TypeError, ValueError):
-                raise _unserialisable(fields) from None
-            try:
-                self._write(line)
-            except BaseException:
-                self._undo_partial_write()
-                raise
-            self._size += len(line)
-            self._last_seq = seq
-            if kind == "round_closed" and isinstance(fields.get("round"), int):
-                self.last_closed_round = fields["round"]
-            return seq
+            return self._append_at(self._last_seq + 1, kind, fields)
+
+    def check_known(self, known: Any, source: str) -> tuple[int, int] | None:
+        """Compare the log with a checkpoint written after event ``known``.
+
+        If the log ends before that event, its records were lost (not torn: a crash tears only
+        an event not yet acknowledged, which no checkpoint knows of). Say so (an ERROR naming
+        the file and the seqs), write an ``events_lost`` record after them so that no seq is
+        used twice and the next start knows, and return the range lost.
+
+        Parameters
+        ----------
+        known
+            The checkpoint's ``events_seq`` (anything else, e.g. None from an older version's
+            checkpoint, knows of nothing).
+        source
+            The checkpoint, in words (``"the checkpoint of round 12"``).
+        """
+        with self._lock:
+            lost = lost_tail(self._last_seq, known)
+            if lost is None:
+                return None
+            ends = self._last_seq
+            gap = Gap(*lost, line=0, noted=False)
+            log.error(
+                "event log %s: %s: it ends at event %d, but %s was written after event %d; %s",
+                self._path,
+                gap.describe(),
+                ends,
+                source,
+                lost[1],
+                RECOVERY_GOES_ON,
+            )
+            why = f"the log ended at event {ends}; {source} was written after event {lost[1]}"
+            self._append_at(lost[1] + 1, LOST, {"first": lost[0], "last": lost[1], "reason": why})
+            return lost
+
+    def _append_at(self, seq: int, kind: str, fields: dict[str, Any]) -> int:
+        if self._file.closed:
+            raise EventLogError(f"{self._path}: the event log is closed")
+        event = {"seq": seq, "wall": time.time(), "kind": kind, **fields}
+        try:
+            line = encode(event)
+        except (TypeError, ValueError):
+            raise _unserialisable(fields) from None
+        try:
+            self._write(line)
+        except BaseException:
+            self._undo_partial_write()
+            raise
+        self._size += len(line)
+        self._last_seq = seq
+        if kind == "round_closed" and isinstance(fields.get("round"), int):
+            self.last_closed_round = fields["round"]
+        return seq
 
     def _write(self, line: bytes) -> None:
         view = memoryview(line)
