@@ -59,7 +59,7 @@ class CoordinatorCore:
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)
         # Before the start is counted: a damaged log refuses to start and changes nothing.
-        self.events = EventLog(cfg.state_dir / "events.jsonl")
+        self.events = EventLog(cfg.state_dir / "events.jsonl", cfg.events)
         self.members = Membership(self.store.next_epoch(), cfg.timeouts, cfg.rounds.max_sites)
         self.downlink = Downlink(cfg.downlink) if cfg.downlink is not None else None
         self.sink = EventSink(self.events)

@@ -27,6 +27,10 @@ from coordinator.store import StoreError
 
 RESERVED = ("seq", "wall", "kind", "crc")
 LOST = "events_lost"
+RECOVERY_GOES_ON = (
+    "recovery goes on (the coordinator's state comes from its checkpoint and spool, not from "
+    "this log), but the history of those events is lost"
+)
 
 
 class EventLogError(StoreError):
@@ -58,12 +62,25 @@ def _crc(record: dict[str, Any]) -> str:
 def encode(event: dict[str, Any]) -> bytes:
     """The line for ``event`` (``seq``, ``wall``, ``kind`` and its fields), with its ``crc``.
 
-    Raises ``TypeError`` or ``ValueError`` if a field is not JSON-serialisable.
+    Raises ``TypeError`` naming the field that is not JSON-serialisable.
     """
+    try:
+        text = json.dumps(event)
+    except (TypeError, ValueError):
+        raise _unserialisable(event) from None
     # The sum is of the record as it will be read back (tuples become lists, keys strings),
     # so that the reader computes the same one.
-    crc = _crc(json.loads(json.dumps(event)))
+    crc = _crc(json.loads(text))
     return (json.dumps({**event, "crc": crc}, separators=(",", ":")) + "\n").encode()
+
+
+def _unserialisable(fields: dict[str, Any]) -> TypeError:
+    for name, value in fields.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            return TypeError(f"event field {name!r} is not JSON-serialisable: {exc}")
+    return TypeError("event is not JSON-serialisable")
 
 
 def parse(raw: bytes) -> tuple[dict[str, Any], bool]:
@@ -112,6 +129,10 @@ class Gap:
         if self.first == self.last:
             return f"event {self.first} is missing"
         return f"events {self.first}-{self.last} are missing"
+
+    def report(self, where: object, how: str) -> str:
+        """The ERROR for this hole in the log file ``where``, found ``how``."""
+        return f"event log {where}: {self.describe()} ({how}); {RECOVERY_GOES_ON}"
 
 
 @dataclass

@@ -12,13 +12,16 @@ Missing records are reported as an ERROR naming the file and the seqs lost: a se
 the file was cut, or restored from an older copy; a torn tail after ``kill -9`` loses at most
 the one event not yet acknowledged, which no checkpoint can know of). Recovery goes on: the
 coordinator's state is its checkpoint and spool, never this log, which is history.
+
+The log does not grow for ever: after each checkpoint (``rotate``, on the checkpoint thread) a
+live file past ``[events] rotate_bytes`` moves to a gzip segment beside it and starts again, and
+only the newest ``keep_segments`` segments stay (``coordinator.event_history``). Readers read
+the segments, then the live file (``read_history``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -36,52 +39,36 @@ from coordinator.event_format import (
     lost_tail,
     scan_lines,
 )
+from coordinator.event_history import (
+    EventsConfig,
+    History,
+    Segment,
+    boundary_gaps,
+    last_closed_round,
+    list_segments,
+    read_events,
+    read_history,
+    remove_temporaries,
+    segment_path,
+    should_rotate,
+    to_prune,
+    write_segment,
+)
+from coordinator.event_live import LiveFile
 from coordinator.store import fsync_dir
 
-__all__ = ["RESERVED", "EventLog", "EventLogError", "EventSink", "read_events"]
+__all__ = [
+    "RESERVED",
+    "EventLog",
+    "EventLogError",
+    "EventSink",
+    "EventsConfig",
+    "History",
+    "read_events",
+    "read_history",
+]
 
 log = logging.getLogger("isthmus.coordinator")
-RECOVERY_GOES_ON = (
-    "recovery goes on (the coordinator's state comes from its checkpoint and spool, not from "
-    "this log), but the history of those events is lost"
-)
-
-
-def _scan(path: Path, *, keep_since: int | None) -> Scan:
-    with open(path, "rb") as f:
-        try:
-            return scan_lines(f, keep_since=keep_since)
-        except Damaged as exc:
-            raise exc.in_live_file(path) from None
-
-
-def read_events(path: Path, *, since_seq: int = 0) -> list[dict[str, Any]]:
-    """The events in the log at ``path`` whose seq is greater than ``since_seq``, in order.
-
-    A torn last line (an append in progress, or cut short by a crash) is skipped, and so is a
-    hole in the seqs (the coordinator reports it when it starts).
-
-    Raises
-    ------
-    FileNotFoundError
-        There is no log at ``path``.
-    EventLogError
-        A line before the last one is unreadable.
-    """
-    return _scan(Path(path), keep_since=since_seq).events
-
-
-def missing_message(where: Path, gap: Gap) -> str:
-    return f"event log {where}: {gap.describe()} before line {gap.line}; {RECOVERY_GOES_ON}"
-
-
-def _unserialisable(fields: dict[str, Any]) -> TypeError:
-    for name, value in fields.items():
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as exc:
-            return TypeError(f"event field {name!r} is not JSON-serialisable: {exc}")
-    return TypeError("event is not JSON-serialisable")
 
 
 class EventLog:
@@ -90,45 +77,51 @@ class EventLog:
     Raises
     ------
     EventLogError
-        A line before the last one is unreadable; the file is left untouched.
+        A line before the last one is unreadable, or two segments overlap; nothing is changed.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, config: EventsConfig | None = None) -> None:
         self._path = Path(path)
-        self._lock = threading.Lock()
+        self.config = config or EventsConfig()
+        self._lock = threading.Lock()  # appends, and the swap of the live file
+        self._rotating = threading.Lock()  # one rotation at a time
+        self._can_rotate = True
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        created = not self._path.exists()
-        # Unbuffered, so a failed append leaves nothing behind in a buffer to be written later.
-        self._file = open(self._path, "ab", buffering=0)  # noqa: SIM115 - open until close()
+        segments = list_segments(self._path)
+        self._live = LiveFile(self._path)
         try:
-            if created:
-                os.fsync(self._file.fileno())
-                fsync_dir(self._path.parent)
-            scan = self._load()
+            scan = self._load(segments)
         except BaseException:
-            self._file.close()
+            self._live.close()
             raise
-        self.last_closed_round = scan.last_closed_round  # of the newest round_closed event
-        self._size = scan.good_bytes
+        self._closed_round = scan.last_closed_round
+        self._look_back = scan.last_closed_round is None and bool(segments)
+        self._live_first = scan.first_seq
         self._last_seq = scan.last_seq
 
-    def _load(self) -> Scan:
-        scan = _scan(self._path, keep_since=None)
-        for gap in scan.gaps:
+    def _load(self, segments: list[Segment]) -> Scan:
+        after = segments[-1].last if segments else 0
+        with open(self._path, "rb") as f:
+            try:
+                scan = scan_lines(f, after=after)
+            except Damaged as exc:
+                raise exc.in_live_file(self._path) from None
+        remove_temporaries(self._path)
+        for where, gap in [*boundary_gaps(segments), *((self._path, g) for g in scan.gaps)]:
             if not gap.noted:
-                log.error("%s", missing_message(self._path, gap))
+                log.error("%s", gap.report(where, f"before line {gap.line}"))
         if scan.unchecked:
             log.info("event log %s: %d record(s) without a checksum", self._path, scan.unchecked)
         if scan.torn is not None:
-            size = self._file.seek(0, os.SEEK_END)
-            log.warning(
-                "event log %s: dropping a torn last %s (%d bytes)",
-                self._path,
-                scan.torn,
-                size - scan.good_bytes,
-            )
-            os.ftruncate(self._file.fileno(), scan.good_bytes)
-            os.fsync(self._file.fileno())
+            log.warning("event log %s: dropping a torn last %s", self._path, scan.torn)
+        if scan.archived_bytes:
+            # The segment was renamed into place, the live file not yet replaced: finish.
+            log.info("event log %s: finishing a rotation into %s", self._path, segments[-1].path)
+            self._live.keep_only(scan.archived_bytes, scan.good_bytes)
+        elif scan.torn is not None:
+            self._live.truncate(scan.good_bytes)
+        else:
+            self._live.size = scan.good_bytes
         return scan
 
     @property
@@ -137,8 +130,17 @@ class EventLog:
 
     @property
     def last_seq(self) -> int:
-        """Seq of the newest event in the log; 0 when it is empty."""
+        """Seq of the newest event in the log (live file or segment); 0 when it is empty."""
         return self._last_seq
+
+    @property
+    def last_closed_round(self) -> int | None:
+        """Round of the newest round_closed event, or None."""
+        with self._lock:
+            if self._look_back:  # none in the live file: read the segments, once
+                self._look_back = False
+                self._closed_round = last_closed_round(list_segments(self._path))
+            return self._closed_round
 
     def append(self, kind: str, **fields: Any) -> int:
         """Write one event durably and return its seq.
@@ -188,58 +190,79 @@ class EventLog:
             if lost is None:
                 return None
             ends = self._last_seq
-            gap = Gap(*lost, line=0, noted=False)
-            log.error(
-                "event log %s: %s: it ends at event %d, but %s was written after event %d; %s",
-                self._path,
-                gap.describe(),
-                ends,
-                source,
-                lost[1],
-                RECOVERY_GOES_ON,
-            )
             why = f"the log ended at event {ends}; {source} was written after event {lost[1]}"
+            log.error("%s", Gap(*lost, line=0, noted=False).report(self._path, why))
             self._append_at(lost[1] + 1, LOST, {"first": lost[0], "last": lost[1], "reason": why})
             return lost
 
     def _append_at(self, seq: int, kind: str, fields: dict[str, Any]) -> int:
-        if self._file.closed:
+        if self._live.closed:
             raise EventLogError(f"{self._path}: the event log is closed")
         event = {"seq": seq, "wall": time.time(), "kind": kind, **fields}
-        try:
-            line = encode(event)
-        except (TypeError, ValueError):
-            raise _unserialisable(fields) from None
-        try:
-            self._write(line)
-        except BaseException:
-            self._undo_partial_write()
-            raise
-        self._size += len(line)
+        self._live.append(encode(event))
         self._last_seq = seq
+        if self._live_first is None:
+            self._live_first = seq
         if kind == "round_closed" and isinstance(fields.get("round"), int):
-            self.last_closed_round = fields["round"]
+            self._closed_round, self._look_back = fields["round"], False
         return seq
 
-    def _write(self, line: bytes) -> None:
-        view = memoryview(line)
-        while view:  # an unbuffered write may take only part of the line
-            view = view[self._file.write(view) :]
-        os.fsync(self._file.fileno())
+    def rotate(self) -> Segment | None:
+        """Move the live file's records to a new segment if it has reached ``rotate_bytes``,
+        and drop the oldest segments beyond ``keep_segments``; returns the new segment.
 
-    def _undo_partial_write(self) -> None:
-        # A half-written line followed by later good ones would read as damage in the middle of
-        # the log, so cut it off now; if even that fails, the next open drops it as a torn tail.
+        Appends go on meanwhile: the records up to now are copied without the lock, and only
+        the swap of the live file (to the records appended since) holds it. A crash at any
+        point leaves every record in the live file, in a segment, or in both, which the next
+        start sorts out. The coordinator calls this on its checkpoint thread.
+
+        Raises
+        ------
+        OSError
+            Writing the segment or the new live file failed; the log goes on unrotated.
+        """
+        with self._rotating:
+            with self._lock:
+                if self._live.closed or not self._can_rotate:
+                    return None
+                if not should_rotate(self._live.size, self._live_first, self.config.rotate_bytes):
+                    return None
+                size, first, last = self._live.size, self._live_first, self._last_seq
+            try:
+                seg = write_segment(self._path, first, last, size)
+            except BaseException:
+                self._forget(segment_path(self._path, first, last))
+                raise
+            with self._lock:
+                if self._live.closed:  # closed meanwhile: the next start finishes this
+                    return seg
+                try:
+                    self._live_first = self._live.keep_only(size, self._live.size)
+                except BaseException:  # the live file is unchanged
+                    self._forget(seg.path)
+                    raise
+            for old in to_prune(list_segments(self._path), self.config.keep_segments):
+                old.path.unlink(missing_ok=True)
+                log.info("event log %s: dropped its oldest segment %s", self._path, old.path)
+            fsync_dir(seg.path.parent)
+            return seg
+
+    def _forget(self, seg: Path) -> None:
+        # The live file still holds the segment's records: drop the segment (if it was renamed
+        # into place), or a later rotation would write one that overlaps it. If even that
+        # fails, stop rotating; the next start finishes this rotation.
         try:
-            os.ftruncate(self._file.fileno(), self._size)
-            os.fsync(self._file.fileno())
+            if seg.exists():
+                seg.unlink()
+                fsync_dir(seg.parent)
         except OSError as exc:
-            log.error("event log %s: cannot cut off a failed append: %s", self._path, exc)
+            self._can_rotate = False
+            log.error("event log %s: cannot undo segment %s (%s)", self._path, seg, exc)
 
     def close(self) -> None:
         """Close the file; closing twice is fine."""
         with self._lock:
-            self._file.close()
+            self._live.close()
 
     def __enter__(self) -> EventLog:
         return self

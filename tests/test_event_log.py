@@ -187,11 +187,11 @@ def test_failed_append_leaves_no_trace(tmp_path, monkeypatch):
             raise OSError(errno.EIO, "disk on fire")
         real_fsync(fd)
 
-    monkeypatch.setattr("coordinator.events.os.fsync", failing_fsync)
+    monkeypatch.setattr("coordinator.event_live.os.fsync", failing_fsync)
     with pytest.raises(OSError, match="disk on fire"):
         events.append("lost", round=1)
     assert path.stat().st_size == size and events.last_seq == 1
-    monkeypatch.setattr("coordinator.events.os.fsync", real_fsync)
+    monkeypatch.setattr("coordinator.event_live.os.fsync", real_fsync)
     assert events.append("b") == 2
     events.close()
     assert [e["kind"] for e in read_events(path)] == ["a", "b"]
@@ -272,7 +272,7 @@ def test_deleted_lines_are_reported_by_seq_and_the_log_goes_on(tmp_path, caplog)
         events = EventLog(path)
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1, errors
-    assert str(path) in errors[0] and "events 4-6 are missing before line 4" in errors[0]
+    assert str(path) in errors[0] and "events 4-6 are missing (before line 4)" in errors[0]
     assert "recovery goes on" in errors[0]
     assert events.last_seq == 10 and events.append("beat", i=10) == 11
     events.close()
@@ -296,7 +296,7 @@ def test_a_cut_the_checkpoint_knows_of_is_reported_once_and_no_seq_is_reused(tmp
         assert events.check_known(20, "the checkpoint of round 3") == (12, 20)
     (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert str(path) in error and "events 12-20 are missing" in error, error
-    assert "ends at event 11" in error and "checkpoint of round 3" in error, error
+    assert "ended at event 11" in error and "checkpoint of round 3" in error, error
     assert "recovery goes on" in error, error
     assert events.last_seq == 21 and events.append("beat", i=99) == 22
     events.close()
