@@ -180,6 +180,14 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def _events(folder: Path) -> list[dict]:
+    """The coordinator's event log, its rotated segments included."""
+    from coordinator.events import read_events
+
+    path = folder / "state" / "events.jsonl"
+    return read_events(path) if path.exists() else []
+
+
 def _syncs(folder: Path) -> list[float]:
     """End of the last inner step of round r to theta_{r+1} loaded, per site and round."""
     out = []
@@ -193,7 +201,7 @@ def _syncs(folder: Path) -> list[float]:
 
 
 def _round_period(folder: Path) -> float:
-    events = _lines(folder / "state" / "events.jsonl")
+    events = _events(folder)
     closes = [e["wall"] for e in events if e["kind"] == "round_closed"]
     gaps = [b - a for a, b in zip(closes[1:], closes[2:], strict=False)]
     return statistics.median(gaps) if gaps else float("nan")
@@ -214,7 +222,7 @@ def _phases(folder: Path) -> dict[str, float]:
             add(f"agent {t['kind']}", t["s"])
             if t["kind"] == "push":
                 add("agent push: waiting for the checkpoint", t.get("held_s", 0.0))
-    for e in _lines(folder / "state" / "events.jsonl"):
+    for e in _events(folder):
         for name, value in (e.get("phases") or {}).items():
             add(f"coordinator {name.removesuffix('_s').replace('_', ' ')}", value)
     return {k: statistics.median(v[1:] if len(v) > 2 else v) for k, v in buckets.items()}

@@ -3,7 +3,7 @@
 theta_{r+1} is published as soon as it is recoverable (the previous checkpoint plus the round's
 fsynced spool and close record determine it), so its own checkpoint is off the round's critical
 path: this thread writes it, then runs what must wait for it (the round's spool can go, the
-event log records the close). The next outer step waits for the previous write
+event log's live file may move to a segment). The next outer step waits for the previous write
 (``wait``): the built-in strategies update their state in place, and that state is what is
 being written.
 """

@@ -55,7 +55,7 @@ def _serve(args) -> int:
     try:
         tls = ServerTls(bundle, Path(args.crl) if args.crl else None) if bundle else None
         server = CoordinatorServer(cfg, args.listen, tls)
-    except (StoreError, StrategyError) as exc:  # e.g. a wrong [strategy] table, state in use
+    except (StoreError, StrategyError) as exc:  # a wrong [strategy], state in use, damaged log
         raise StartError(str(exc)) from exc
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())

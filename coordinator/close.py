@@ -6,7 +6,8 @@ sum (every update was folded in as it arrived) or, for robust aggregation and st
 take every update, screens and combines the spooled updates now. ``outer_step`` is the
 strategy's. ``downlink`` makes theta_{r+1} exactly what sites will rebuild from the encoded
 delta. ``publish`` hashes theta_{r+1} once, swaps it in and wakes every waiting site. The
-``checkpoint`` is written in the background; the round's spool goes once it is durable.
+``checkpoint`` is written in the background; the round's spool goes once it is durable, and
+the event log's live file moves to a segment if it has grown past ``events.rotate_bytes``.
 
 A failure in any step before ``publish`` stops the job with the checkpoint of round r (and the
 close record) unchanged: a restart recomputes the same theta_{r+1}.
@@ -17,13 +18,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.checkpointing import CheckpointWriter
 from coordinator.disk import until_written
 from coordinator.downlink import Downlink
-from coordinator.events import EventSink
+from coordinator.events import EventLog, EventLogError, EventSink
 from coordinator.membership import Membership
 from coordinator.publish import hash_theta, publication
 from coordinator.records import ClosedRound, FatalError
@@ -64,7 +64,7 @@ class CloseParts:
     uploads: UploadTable
     writer: CheckpointWriter
     sink: EventSink
-    events_closed_round: Callable[[], int | None]  # round of the log's newest round_closed
+    events: EventLog
     stopping: threading.Event  # gives up waiting for disk space (``coordinator.disk``)
 
 
@@ -198,7 +198,7 @@ class ClosePipeline:
                 },
                 **self.p.data.meta(),
             }
-            if self.p.events_closed_round() != r:  # a replayed close was logged before a crash
+            if self.p.events.last_closed_round != r:  # a replayed close logged before a crash
                 self.p.sink.post(
                     "round_closed",
                     round=r,
@@ -214,8 +214,16 @@ class ClosePipeline:
     def checkpoint(self, order, nxt: ThetaBuffer, theta_hash: bytes, strategy_state, meta):
         r = order.round.number
         downlink = self.p.downlink.state_dict() if self.p.downlink is not None else {}
+        # Every event up to this one is durable before the checkpoint is: a restart that finds
+        # the log ending earlier knows that events were lost (EventLog.check_known).
+        meta = {**meta, "events_seq": self.p.events.last_seq}
         ckpt = Checkpoint(r + 1, nxt.tensors, strategy_state, meta, downlink, theta_hash)
-        self.p.writer.submit(ckpt, lambda: self.p.spool.drop_rounds_before(r + 1))
+
+        def written() -> None:
+            self.p.spool.drop_rounds_before(r + 1)
+            _rotate(self.p.events)
+
+        self.p.writer.submit(ckpt, written)
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -235,6 +243,19 @@ class ClosePipeline:
             for key, reason in outcome.rejected.items():
                 log.warning("round %d: update of %s rejected: %s", round_number, key, reason)
                 self.p.state.rejections.append(f"round {round_number}: {key}: {reason}")
+
+
+def _rotate(events: EventLog) -> None:
+    # The history's upkeep must not stop the job: a log that cannot rotate now grows until
+    # the next checkpoint tries again.
+    try:
+        events.rotate()
+    except (OSError, EventLogError) as exc:
+        log.error(
+            "event log %s: rotation failed (%s); it is tried again after the next checkpoint",
+            events.path,
+            exc,
+        )
 
 
 class _Phases:

@@ -8,8 +8,8 @@ Each table is a dataclass owned by the code it configures, where its defaults an
 written once (read by ``wire.config_table.load_table``): ``[model]`` in
 ``coordinator.model_source``, ``[aggregation]`` in ``strategies.robust``, ``[rounds]`` in
 ``coordinator.rounds``, ``[timeouts]`` in ``coordinator.failure_detector``, ``[speculation]`` in
-``coordinator.speculation`` and ``[compression]`` in ``wire.codecs.rules``. The rest are here,
-with the rules that span tables.
+``coordinator.speculation``, ``[compression]`` in ``wire.codecs.rules`` and ``[events]`` in
+``coordinator.event_history``. The rest are here, with the rules that span tables.
 
 Example::
 
@@ -51,6 +51,10 @@ Example::
     default = "int8"
     [compression.downlink]   # optional: theta_{r+1} down as an encoded delta from theta_r
     default = "int8"
+
+    [events]                 # optional: the event log's live file goes to a gzip segment
+    rotate_bytes = 67108864  # once it reaches 64 MiB (0: never)
+    keep_segments = 8        # and the newest 8 segments are kept
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.event_history import EventsConfig
 from coordinator.failure_detector import TimeoutsConfig
 from coordinator.model_source import ModelConfig
 from coordinator.rounds import RoundsConfig
@@ -82,6 +87,7 @@ __all__ = [
     "AggregationConfig",
     "ConfigError",
     "DataConfig",
+    "EventsConfig",
     "JobConfig",
     "ModelConfig",
     "RoundsConfig",
@@ -103,6 +109,7 @@ SECTIONS = (
     "data",
     "speculation",
     "server",
+    "events",
 )
 DATA_MODES = ("federated", "shared")
 
@@ -168,6 +175,7 @@ class JobConfig:
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)
     # None: each round's theta is fetched whole. Set: as an encoded delta from the last one.
     downlink: CompressionConfig | None = None
+    events: EventsConfig = field(default_factory=EventsConfig)
 
 
 def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> JobConfig:
@@ -201,6 +209,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
     data_cfg = load_table(DataConfig, data.get("data", {}), "data")
     speculation = speculation_from_table(data.get("speculation", {}), data_cfg)
     server = load_table(ServerConfig, data.get("server", {}), "server")
+    events = load_table(EventsConfig, data.get("events", {}), "events")
     unknown = sorted(set(data) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key")
@@ -218,6 +227,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         data_cfg,
         speculation,
         downlink,
+        events,
     )
 
 

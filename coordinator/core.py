@@ -59,9 +59,10 @@ class CoordinatorCore:
         self.uploads = UploadTable(self.spool)
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)
+        # Before the start is counted: a damaged log refuses to start and changes nothing.
+        self.events = EventLog(cfg.state_dir / "events.jsonl", cfg.events)
         self.members = Membership(self.store.next_epoch(), cfg.timeouts, cfg.rounds.max_sites)
         self.downlink = Downlink(cfg.downlink) if cfg.downlink is not None else None
-        self.events = EventLog(cfg.state_dir / "events.jsonl")
         self.sink = EventSink(self.events)
         # Set when the coordinator stops: what waits for disk space (coordinator.disk) gives up.
         self.stopping = threading.Event()
@@ -116,7 +117,7 @@ class CoordinatorCore:
             self.uploads,
             self.writer,
             self.sink,
-            lambda: self.events.last_closed_round,
+            self.events,
             self.stopping,
         )
 

@@ -1,110 +1,74 @@
 """The coordinator's append-only event log, kept beside its checkpoints.
 
-One JSON object per line, ``{"seq": n, "wall": <unix time>, "kind": ..., **fields}``, with ``seq``
-counting up from 1 across restarts. ``append`` returns only once the line is fsynced, so an event
-it has acknowledged survives a crash. A crash in the middle of ``append`` can leave only the last
+One record per line (``coordinator.event_format``: ``seq`` counting up by one from 1 across
+restarts, a CRC-32 per record). ``append`` returns only once the line is fsynced, so an event it
+has acknowledged survives a crash. A crash in the middle of ``append`` can leave only the last
 line torn (cut short, or without its newline); opening the log again cuts that line away before
 appending, and readers skip it. Anything unreadable before the last line is real damage, not a
-torn write, and is an ``EventLogError`` naming the file and line.
+torn write, and is an ``EventLogError`` naming the file and line: start-up stops there.
+
+Missing records are reported as an ERROR naming the file and the seqs lost: a seq that jumps
+(lines deleted), or a log that ends before an event the checkpoint knows of (``check_known``:
+the file was cut, or restored from an older copy; a torn tail after ``kill -9`` loses at most
+the one event not yet acknowledged, which no checkpoint can know of). Recovery goes on: the
+coordinator's state is its checkpoint and spool, never this log, which is history.
+
+The log does not grow for ever: after each checkpoint (``rotate``, on the checkpoint thread) a
+live file past ``[events] rotate_bytes`` moves to a gzip segment beside it and starts again, and
+only the newest ``keep_segments`` segments stay (``coordinator.event_history``). Readers read
+the segments, then the live file (``read_history``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.event_format import (
+    LOST,
+    RESERVED,
+    Damaged,
+    EventLogError,
+    Gap,
+    Scan,
+    encode,
+    lost_tail,
+    scan_lines,
+)
+from coordinator.event_history import (
+    EventsConfig,
+    History,
+    Segment,
+    boundary_gaps,
+    last_closed_round,
+    list_segments,
+    read_events,
+    read_history,
+    remove_temporaries,
+    segment_path,
+    should_rotate,
+    to_prune,
+    write_segment,
+)
+from coordinator.event_live import LiveFile
 from coordinator.store import fsync_dir
 
+__all__ = [
+    "RESERVED",
+    "EventLog",
+    "EventLogError",
+    "EventSink",
+    "EventsConfig",
+    "History",
+    "read_events",
+    "read_history",
+]
+
 log = logging.getLogger("isthmus.coordinator")
-
-RESERVED = ("seq", "wall", "kind")
-
-
-class EventLogError(RuntimeError):
-    """The event log cannot be used; the message names the file and line."""
-
-
-@dataclass
-class _Scan:
-    good_bytes: int = 0
-    last_seq: int = 0
-    events: list[dict[str, Any]] = field(default_factory=list)
-    torn: str | None = None  # why the last line was rejected, if it was
-    last_closed_round: int | None = None
-
-
-def _parse(raw: bytes, prev_seq: int) -> dict[str, Any]:
-    if not raw.endswith(b"\n"):
-        raise ValueError("no newline at the end")
-    try:
-        event = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"not JSON ({exc})") from None
-    if not isinstance(event, dict):
-        raise ValueError("not a JSON object")
-    seq = event.get("seq")
-    if isinstance(seq, bool) or not isinstance(seq, int):
-        raise ValueError(f"no integer seq (seq={seq!r})")
-    if seq <= prev_seq:
-        raise ValueError(f"seq {seq} does not follow seq {prev_seq}")
-    if not isinstance(event.get("kind"), str):
-        raise ValueError("no string kind")
-    return event
-
-
-def _scan(path: Path, *, keep_since: int | None) -> _Scan:
-    """Check every line of ``path``; keep the events after ``keep_since`` unless it is None."""
-    scan = _Scan()
-    pending: tuple[int, str] | None = None  # a bad line, which is fatal unless it is the last
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if pending is not None:
-                raise EventLogError(f"{path}: line {pending[0]}: {pending[1]}")
-            try:
-                event = _parse(raw, scan.last_seq)
-            except ValueError as exc:
-                pending = (lineno, str(exc))
-                continue
-            scan.good_bytes += len(raw)
-            scan.last_seq = event["seq"]
-            if event["kind"] == "round_closed" and isinstance(event.get("round"), int):
-                scan.last_closed_round = event["round"]
-            if keep_since is not None and event["seq"] > keep_since:
-                scan.events.append(event)
-    if pending is not None:
-        scan.torn = f"line {pending[0]}: {pending[1]}"
-    return scan
-
-
-def read_events(path: Path, *, since_seq: int = 0) -> list[dict[str, Any]]:
-    """The events in the log at ``path`` whose seq is greater than ``since_seq``, in order.
-
-    A torn last line (an append in progress, or cut short by a crash) is skipped.
-
-    Raises
-    ------
-    FileNotFoundError
-        There is no log at ``path``.
-    EventLogError
-        A line before the last one is unreadable.
-    """
-    return _scan(Path(path), keep_since=since_seq).events
-
-
-def _unserialisable(fields: dict[str, Any]) -> TypeError:
-    for name, value in fields.items():
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as exc:
-            return TypeError(f"event field {name!r} is not JSON-serialisable: {exc}")
-    return TypeError("event is not JSON-serialisable")
 
 
 class EventLog:
@@ -113,38 +77,52 @@ class EventLog:
     Raises
     ------
     EventLogError
-        A line before the last one is unreadable; the file is left untouched.
+        A line before the last one is unreadable, or two segments overlap; nothing is changed.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, config: EventsConfig | None = None) -> None:
         self._path = Path(path)
-        self.last_closed_round: int | None = None  # of the newest round_closed event
-        self._lock = threading.Lock()
+        self.config = config or EventsConfig()
+        self._lock = threading.Lock()  # appends, and the swap of the live file
+        self._rotating = threading.Lock()  # one rotation at a time
+        self._can_rotate = True
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        created = not self._path.exists()
-        # Unbuffered, so a failed append leaves nothing behind in a buffer to be written later.
-        self._file = open(self._path, "ab", buffering=0)  # noqa: SIM115 - open until close()
+        segments = list_segments(self._path)
+        self._live = LiveFile(self._path)
         try:
-            if created:
-                os.fsync(self._file.fileno())
-                fsync_dir(self._path.parent)
-            scan = _scan(self._path, keep_since=None)
-            self.last_closed_round = scan.last_closed_round
-            if scan.torn is not None:
-                size = self._file.seek(0, os.SEEK_END)
-                log.warning(
-                    "event log %s: dropping a torn last %s (%d bytes)",
-                    self._path,
-                    scan.torn,
-                    size - scan.good_bytes,
-                )
-                os.ftruncate(self._file.fileno(), scan.good_bytes)
-                os.fsync(self._file.fileno())
+            scan = self._load(segments)
         except BaseException:
-            self._file.close()
+            self._live.close()
             raise
-        self._size = scan.good_bytes
+        self._closed_round = scan.last_closed_round
+        self._look_back = scan.last_closed_round is None and bool(segments)
+        self._live_first = scan.first_seq
         self._last_seq = scan.last_seq
+
+    def _load(self, segments: list[Segment]) -> Scan:
+        after = segments[-1].last if segments else 0
+        with open(self._path, "rb") as f:
+            try:
+                scan = scan_lines(f, after=after)
+            except Damaged as exc:
+                raise exc.in_live_file(self._path) from None
+        remove_temporaries(self._path)
+        for where, gap in [*boundary_gaps(segments), *((self._path, g) for g in scan.gaps)]:
+            if not gap.noted:
+                log.error("%s", gap.report(where, f"before line {gap.line}"))
+        if scan.unchecked:
+            log.info("event log %s: %d record(s) without a checksum", self._path, scan.unchecked)
+        if scan.torn is not None:
+            log.warning("event log %s: dropping a torn last %s", self._path, scan.torn)
+        if scan.archived_bytes:
+            # The segment was renamed into place, the live file not yet replaced: finish.
+            log.info("event log %s: finishing a rotation into %s", self._path, segments[-1].path)
+            self._live.keep_only(scan.archived_bytes, scan.good_bytes)
+        elif scan.torn is not None:
+            self._live.truncate(scan.good_bytes)
+        else:
+            self._live.size = scan.good_bytes
+        return scan
 
     @property
     def path(self) -> Path:
@@ -152,8 +130,17 @@ class EventLog:
 
     @property
     def last_seq(self) -> int:
-        """Seq of the newest event in the log; 0 when it is empty."""
+        """Seq of the newest event in the log (live file or segment); 0 when it is empty."""
         return self._last_seq
+
+    @property
+    def last_closed_round(self) -> int | None:
+        """Round of the newest round_closed event, or None."""
+        with self._lock:
+            if self._look_back:  # none in the live file: read the segments, once
+                self._look_back = False
+                self._closed_round = last_closed_round(list_segments(self._path))
+            return self._closed_round
 
     def append(self, kind: str, **fields: Any) -> int:
         """Write one event durably and return its seq.
@@ -163,7 +150,7 @@ class EventLog:
         kind
             What happened, e.g. ``"round_closed"``.
         **fields
-            JSON-serialisable details; ``seq`` and ``wall`` are set here.
+            JSON-serialisable details; ``seq``, ``wall`` and ``crc`` are set here.
 
         Raises
         ------
@@ -180,44 +167,102 @@ class EventLog:
             if name in fields:
                 raise ValueError(f"event field {name!r} is reserved")
         with self._lock:
-            if self._file.closed:
-                raise EventLogError(f"{self._path}: the event log is closed")
-            seq = self._last_seq + 1
-            event = {"seq": seq, "wall": time.time(), "kind": kind, **fields}
+            return self._append_at(self._last_seq + 1, kind, fields)
+
+    def check_known(self, known: Any, source: str) -> tuple[int, int] | None:
+        """Compare the log with a checkpoint written after event ``known``.
+
+        If the log ends before that event, its records were lost (not torn: a crash tears only
+        an event not yet acknowledged, which no checkpoint knows of). Say so (an ERROR naming
+        the file and the seqs), write an ``events_lost`` record after them so that no seq is
+        used twice and the next start knows, and return the range lost.
+
+        Parameters
+        ----------
+        known
+            The checkpoint's ``events_seq`` (anything else, e.g. None from an older version's
+            checkpoint, knows of nothing).
+        source
+            The checkpoint, in words (``"the checkpoint of round 12"``).
+        """
+        with self._lock:
+            lost = lost_tail(self._last_seq, known)
+            if lost is None:
+                return None
+            ends = self._last_seq
+            why = f"the log ended at event {ends}; {source} was written after event {lost[1]}"
+            log.error("%s", Gap(*lost, line=0, noted=False).report(self._path, why))
+            self._append_at(lost[1] + 1, LOST, {"first": lost[0], "last": lost[1], "reason": why})
+            return lost
+
+    def _append_at(self, seq: int, kind: str, fields: dict[str, Any]) -> int:
+        if self._live.closed:
+            raise EventLogError(f"{self._path}: the event log is closed")
+        event = {"seq": seq, "wall": time.time(), "kind": kind, **fields}
+        self._live.append(encode(event))
+        self._last_seq = seq
+        if self._live_first is None:
+            self._live_first = seq
+        if kind == "round_closed" and isinstance(fields.get("round"), int):
+            self._closed_round, self._look_back = fields["round"], False
+        return seq
+
+    def rotate(self) -> Segment | None:
+        """Move the live file's records to a new segment if it has reached ``rotate_bytes``,
+        and drop the oldest segments beyond ``keep_segments``; returns the new segment.
+
+        Appends go on meanwhile: the records up to now are copied without the lock, and only
+        the swap of the live file (to the records appended since) holds it. A crash at any
+        point leaves every record in the live file, in a segment, or in both, which the next
+        start sorts out. The coordinator calls this on its checkpoint thread.
+
+        Raises
+        ------
+        OSError
+            Writing the segment or the new live file failed; the log goes on unrotated.
+        """
+        with self._rotating:
+            with self._lock:
+                if self._live.closed or not self._can_rotate:
+                    return None
+                if not should_rotate(self._live.size, self._live_first, self.config.rotate_bytes):
+                    return None
+                size, first, last = self._live.size, self._live_first, self._last_seq
             try:
-                line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
-            except (TypeError, ValueError):
-                raise _unserialisable(fields) from None
-            try:
-                self._write(line)
+                seg = write_segment(self._path, first, last, size)
             except BaseException:
-                self._undo_partial_write()
+                self._forget(segment_path(self._path, first, last))
                 raise
-            self._size += len(line)
-            self._last_seq = seq
-            if kind == "round_closed" and isinstance(fields.get("round"), int):
-                self.last_closed_round = fields["round"]
-            return seq
+            with self._lock:
+                if self._live.closed:  # closed meanwhile: the next start finishes this
+                    return seg
+                try:
+                    self._live_first = self._live.keep_only(size, self._live.size)
+                except BaseException:  # the live file is unchanged
+                    self._forget(seg.path)
+                    raise
+            for old in to_prune(list_segments(self._path), self.config.keep_segments):
+                old.path.unlink(missing_ok=True)
+                log.info("event log %s: dropped its oldest segment %s", self._path, old.path)
+            fsync_dir(seg.path.parent)
+            return seg
 
-    def _write(self, line: bytes) -> None:
-        view = memoryview(line)
-        while view:  # an unbuffered write may take only part of the line
-            view = view[self._file.write(view) :]
-        os.fsync(self._file.fileno())
-
-    def _undo_partial_write(self) -> None:
-        # A half-written line followed by later good ones would read as damage in the middle of
-        # the log, so cut it off now; if even that fails, the next open drops it as a torn tail.
+    def _forget(self, seg: Path) -> None:
+        # The live file still holds the segment's records: drop the segment (if it was renamed
+        # into place), or a later rotation would write one that overlaps it. If even that
+        # fails, stop rotating; the next start finishes this rotation.
         try:
-            os.ftruncate(self._file.fileno(), self._size)
-            os.fsync(self._file.fileno())
+            if seg.exists():
+                seg.unlink()
+                fsync_dir(seg.parent)
         except OSError as exc:
-            log.error("event log %s: cannot cut off a failed append: %s", self._path, exc)
+            self._can_rotate = False
+            log.error("event log %s: cannot undo segment %s (%s)", self._path, seg, exc)
 
     def close(self) -> None:
         """Close the file; closing twice is fine."""
         with self._lock:
-            self._file.close()
+            self._live.close()
 
     def __enter__(self) -> EventLog:
         return self

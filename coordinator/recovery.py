@@ -42,7 +42,8 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
     if ckpt is None:
         buffer = ThetaBuffer.copy_of(initial_theta(cfg.model))  # the model itself goes now
         theta = buffer.tensors
-        ckpt = Checkpoint(0, theta, {}, {"job": cfg.name}, {}, state_hash(theta))
+        meta = {"job": cfg.name, "events_seq": core.events.last_seq}
+        ckpt = Checkpoint(0, theta, {}, meta, {}, state_hash(theta))
         core.store.save(ckpt)
         log.info("new job %r: theta_0 has %d tensors", cfg.name, len(theta))
     elif ckpt.meta.get("job") != cfg.name:
@@ -51,6 +52,8 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
             f"not {cfg.name!r}: use another job.state_dir"
         )
     else:
+        where = f"the checkpoint of round {ckpt.round}"
+        core.events.check_known(ckpt.meta.get("events_seq"), where)
         call_hook(core.strategy, "load_state_dict", ckpt.strategy_state)
         log.info("resumed job %r at round %d (epoch %d)", cfg.name, ckpt.round, core.members.epoch)
     if core.downlink is not None:

@@ -3,6 +3,7 @@ the last few are kept on disk), its event log, and every process's exit code and
 
 from __future__ import annotations
 
+import gzip
 import json
 import threading
 from dataclasses import dataclass, field
@@ -67,17 +68,20 @@ class CheckpointWatcher(threading.Thread):
 
 
 def read_events(path: Path) -> list[dict]:
-    """The event log's whole lines (a torn last line is skipped, as the coordinator does)."""
-    events = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return events
-    for line in lines:
+    """The event log's whole lines, its rotated segments first (a torn last line is skipped, as
+    the coordinator does; a record both in a segment and the live file, as a rotation cut short
+    leaves it, is read once)."""
+    from coordinator.event_history import list_segments
+
+    texts = [gzip.decompress(s.path.read_bytes()).decode() for s in list_segments(path)]
+    texts.append(path.read_text() if path.exists() else "")
+    events, seen = [], set()
+    for line in "\n".join(texts).splitlines():
         try:
             event = json.loads(line)
         except ValueError:
             continue
-        if isinstance(event, dict):
+        if isinstance(event, dict) and event.get("seq") not in seen:
+            seen.add(event.get("seq"))
             events.append(event)
     return events
