@@ -284,12 +284,24 @@ class EventSink:
         self.log = log
         self._pending: deque[tuple[str, dict[str, Any]]] = deque()
         self._writing = threading.Lock()
+        self._failing = False
 
     def post(self, kind: str, **fields: Any) -> None:
         self._pending.append((kind, fields))
 
     def flush(self) -> None:
+        """Write what was posted. On a full disk the events stay queued, in order, for the
+        next flush: they are the job's history, and the call or round that posted them must
+        not fail for it (what recovery needs is in the spool and the checkpoints)."""
         with self._writing:
             while self._pending:
-                kind, fields = self._pending.popleft()
-                self.log.append(kind, **fields)
+                kind, fields = self._pending[0]
+                try:
+                    self.log.append(kind, **fields)
+                except OSError as exc:
+                    if not self._failing:
+                        log.error("event log: %s; %d event(s) wait", exc, len(self._pending))
+                    self._failing = True
+                    return
+                self._pending.popleft()
+                self._failing = False

@@ -47,12 +47,11 @@ def small_disk(tmp_path):
 def fill(disk: Path, leave_bytes: int) -> Path:
     """Take all the space on ``disk`` but ``leave_bytes`` (rounded down to pages)."""
     ballast = disk / "ballast"
-    with open(ballast, "wb") as f:
-        block = b"\0" * (64 << 10)
+    with open(ballast, "wb", buffering=0) as f:
+        block = memoryview(b"\0" * (64 << 10))
         try:
             while True:
                 f.write(block)
-                f.flush()
         except OSError as exc:
             assert exc.errno == errno.ENOSPC
     with open(ballast, "r+b") as f:
@@ -218,3 +217,22 @@ def test_a_job_whose_disk_fills_mid_round_completes_once_space_returns(small_dis
     assert seen["part_sizes"] and set(seen["part_sizes"]) == {0}  # nothing past the ack
     for log in logs:
         assert all(reply.complete for reply in log.replies.values())
+
+
+def test_events_wait_in_order_while_the_disk_is_full(small_disk):
+    from coordinator.events import EventLog, EventSink, read_events
+
+    events = EventLog(small_disk / "events.jsonl")
+    sink = EventSink(events)
+    sink.post("first", n=1)
+    sink.flush()
+    ballast = fill(small_disk, leave_bytes=0)
+    for n in (2, 3):
+        sink.post("waiting", n=n, pad="x" * 5000)  # past the file's last page
+        sink.flush()  # does not raise: the caller's work is done and durable elsewhere
+    assert [e["kind"] for e in read_events(events.path)] == ["first"]
+    ballast.unlink()
+    sink.post("after", n=4)
+    sink.flush()
+    events.close()
+    assert [e.get("n") for e in read_events(small_disk / "events.jsonl")] == [1, 2, 3, 4]
