@@ -55,6 +55,8 @@ def _delta(theta, k: int, r: int) -> dict[str, torch.Tensor]:
 
 def _checkpoint_hash(state_dir, round_number: int) -> str:
     meta = state_dir / "checkpoints" / f"round-{round_number:08d}" / "meta.json"
+    # Written in the background once theta is published: it may trail the fetch a little.
+    h.wait_until(meta.exists, timeout=20, what=f"the checkpoint of round {round_number}")
     return json.loads(meta.read_text())["theta_sha256"]
 
 
