@@ -42,6 +42,7 @@ class Case:
     hold_after: int | None = None  # Push: send this many messages, then hold the stream open
     second: list | None = None  # ... while this second push runs to its end
     second_ops: list[str] = field(default_factory=list)
+    held: tuple[str, int] | None = None  # (method, n) held open by another connection meanwhile
 
 
 @dataclass

@@ -29,6 +29,7 @@ from .constants import (
     SITE_A,
     SITE_B,
 )
+from .holding import HeldCalls
 
 
 class _Cancel(Exception):
@@ -89,6 +90,18 @@ class CaseChecks:
             )
 
     def _call(self, case: Case) -> tuple[str, str, object]:
+        if case.held is None:
+            return self._call_once(case)
+        held = HeldCalls(self.attacker, *case.held)
+        try:
+            t0 = time.monotonic()
+            result = self._call_once(case)
+            self.report.honest_ms.append((time.monotonic() - t0) * 1000)
+            return result
+        finally:
+            held.release()
+
+    def _call_once(self, case: Case) -> tuple[str, str, object]:
         method = case.method
         try:
             if method == "Push":

@@ -77,5 +77,18 @@ KINDS = {
     "push_concurrent": 3,
     "wire": 7,
     "oversize": 1,
+    "held": 2,
 }
+# What a "held" case holds open from another connection, never sending a request: unary calls
+# and streams of every kind, up to HELD_MAX at once, while an honest heartbeat is timed.
+HELD_METHODS = (
+    "/isthmus.v1.Coordinator/Heartbeat",
+    "/isthmus.v1.Coordinator/Join",
+    "/isthmus.v1.Coordinator/WaitRound",
+    "/isthmus.v1.Coordinator/Fetch",
+    "/isthmus.v1.Coordinator/Push",
+    "/isthmus.v1.Bulk/Push",
+    "/isthmus.v1.Bulk/Fetch",
+)
+HELD_MAX = 40
 KIND_LIST = [k for k, w in KINDS.items() for _ in range(w)]

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from wire.proto import isthmus_pb2 as pb
 
 from .cases import Case, _short
-from .constants import SITE_A, SITE_B, SPEC_NAME, U64_MAX, _u64
+from .constants import HELD_MAX, HELD_METHODS, SITE_A, SITE_B, SPEC_NAME, U64_MAX, _u64
 from .strategies import DOUBLES, HUGE_TEXT, NAMES, TEXT, U32, U64, unknown_fields
 
 
@@ -133,6 +133,17 @@ class RpcCases:
         if lease is not None:
             req.lease.CopyFrom(lease)
         return Case("", "Leave", req, ops=[note], verdict=self._lease_verdict(lease))
+
+    def gen_held(self, data) -> Case:
+        """An honest heartbeat of site A while another connection holds calls open."""
+        method = data.draw(st.sampled_from(HELD_METHODS))
+        n = data.draw(st.integers(1, HELD_MAX))
+        lease = self._lease_copy(SITE_A)
+        req = pb.HeartbeatRequest(lease=lease)
+        ops = [f"held({method.rsplit('/', 2)[-2]}.{method.rsplit('/', 1)[-1]} x{n})"]
+        return Case(
+            "", "Heartbeat", req, ops=ops, verdict=self._lease_verdict(lease), held=(method, n)
+        )
 
     def gen_status(self, data) -> Case:
         mode = data.draw(st.sampled_from(["typed", "unknown_fields", "random_bytes"]))

@@ -29,6 +29,7 @@ class Report:
     fuzzer_errors: list[str] = field(default_factory=list)
     flaky_restarts: int = 0
     workdir: Path | None = None
+    honest_ms: list[float] = field(default_factory=list)  # heartbeats while calls were held
 
     def by_category(self, category: str) -> list[Finding]:
         return [f for f in self.findings if f.category == category]
@@ -65,7 +66,12 @@ class Report:
         return lines
 
     def summary(self) -> str:
-        return f"cases={self.cases} crashes={self.crashes} state_changes={self.state_changes}"
+        ranked = sorted(self.honest_ms)
+        p99 = ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))] if ranked else 0.0
+        return (
+            f"cases={self.cases} crashes={self.crashes} state_changes={self.state_changes} "
+            f"honest_heartbeat_p99_ms={p99:.1f}"
+        )
 
 
 def print_report(report: Report, out: Callable[[str], None] = print) -> None:

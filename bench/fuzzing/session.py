@@ -89,6 +89,12 @@ class Session:
         options += [(name, -1) for name in limits]  # the fuzzer may send what no site would
         self.channel = grpc.insecure_channel(self.coord.address, options=options)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+        if getattr(self, "attacker", None) is not None:
+            self.attacker.close()
+        # "held" cases: a connection of its own, as another certificate holder would have.
+        self.attacker = grpc.insecure_channel(
+            self.coord.address, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
         ch = self.channel
         self.raw_calls = {
             "Join": ch.unary_unary(
@@ -114,6 +120,7 @@ class Session:
     def stop(self) -> None:
         if self.channel is not None:
             self.channel.close()
+            self.attacker.close()
         if self.coord is not None:
             t0 = time.monotonic()
             self.coord.stop()
