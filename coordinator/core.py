@@ -34,6 +34,7 @@ from coordinator.records import (
     Published,
     PushHeader,
     Refused,
+    UpdateKey,
     check_name,
 )
 from coordinator.round_driver import RoundDriver
@@ -196,6 +197,11 @@ class CoordinatorCore:
         }
         if self.data.kind == "shared":
             info["data_unit"] = unit
+        if site is not None:
+            key = UpdateKey(site, unit=unit)
+            info["update_wanted"] = participant and s.wanted.asks_for(
+                s.round.number, key, s.accepted, s.committing
+            )
         return info
 
     def snapshot(self) -> StatusSnapshot:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from coordinator.accumulate import StreamingMean, fold_order
 from coordinator.membership import Membership
-from coordinator.records import FatalError, UpdateKey
+from coordinator.records import FatalError, PinnedClose, UpdateKey
 from coordinator.rounds import RoundState, admit_latecomers, decide_close, open_round
 from coordinator.spool import SpooledUpdate
 from coordinator.state import CoordinatorState
@@ -127,6 +127,23 @@ class RoundDriver:
         s = self.state
         if s.round.opened_at is None or s.committing:
             return None  # an update is being made durable: it will count, or be refused
+        if s.pinned is not None:
+            step = pinned_step(now, s.round.opened_at + self.opts.deadline_s, s.pinned, s.accepted)
+            if step == "wait":
+                return None  # no backup copies either: only the recorded keys are taken
+            pin, s.pinned = s.pinned, None
+            if step == "close":
+                log.info(
+                    "round %d: its recorded updates are back; closing as decided", s.round.number
+                )
+                return self._order(list(pin.keys), pin.reason)
+            log.error(
+                "round %d: past its deadline without the lost update(s) %s; it closes by the "
+                "ordinary rules, so theta_%d may differ from the one served before the restart",
+                s.round.number,
+                ", ".join(k.label for k in pin.keys if k not in s.accepted),
+                s.round.number + 1,
+            )
         responsive = self.members.responsive(now)
         if self.data.speculate(now, s.round, self.members, self.post):
             s.changed()
@@ -134,13 +151,16 @@ class RoundDriver:
         decision = decide_close(now, view, alive, self.opts)
         if not decision.act:
             return None
+        return self._order(self.fold_order(), decision.reason)
+
+    def _order(self, keys: list[UpdateKey], reason: str) -> CloseOrder:
+        s = self.state
         s.round = replace(s.round, closed=True)
-        keys = self.fold_order()
         return CloseOrder(
             s.round,
             tuple(keys),
             tuple(s.accepted[k] for k in keys),
-            decision.reason,
+            reason,
             tuple(s.slots),
             s.running_sum,
             {k.label: n for k, n in s.norms.items() if k in s.accepted},
@@ -152,3 +172,12 @@ class RoundDriver:
         slot_of = {k: self.data.slot_of(k) for k in s.accepted}
         filled = {slot: k for k, slot in slot_of.items() if slot is not None}
         return fold_order(s.slots, filled, [k for k, slot in slot_of.items() if slot is None])
+
+
+def pinned_step(now: float, deadline: float, pin: PinnedClose, counted) -> str:
+    """What a pinned round (``records.PinnedClose``) does now: ``"close"`` once every recorded
+    update is counted again, ``"release"`` past its deadline without them (the ordinary rules
+    take over), else ``"wait"``."""
+    if all(k in counted for k in pin.keys):
+        return "close"
+    return "release" if now >= deadline else "wait"
