@@ -64,7 +64,7 @@ KINDS = {
     "heartbeat": 7,
     "fetch": 7,
     "leave": 5,
-    "status": 3,
+    "status": 2,
     "push_random": 6,
     "push_header": 10,
     "push_manifest": 12,
@@ -76,5 +76,6 @@ KINDS = {
     "push_concurrent": 3,
     "wire": 7,
     "oversize": 1,
+    "spool": 1,  # a coordinator restart each: a few seconds
 }
 KIND_LIST = [k for k, w in KINDS.items() for _ in range(w)]
