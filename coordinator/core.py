@@ -215,6 +215,10 @@ class CoordinatorCore:
                 return s.fatal
             if s.finished:
                 return f"job finished after {self.cfg.rounds.total} rounds"
+            pin = s.pinned
+            if pin is not None and not pin.released:
+                lost = ", ".join(k.label for k in pin.keys if k not in s.accepted)
+                return f"round {s.round.number} was decided before a restart; waiting for {lost}"
             now = self.clock()
             return self.data.waiting_reason(
                 now, s.round, self.members.responsive(now), self.cfg.rounds
@@ -338,5 +342,7 @@ class CoordinatorCore:
         if step.order is None:
             return False
         self.pipeline.run(step.order)
+        if step.order.after_pin:
+            recovery.after_pinned_close(self, step.order.after_pin == "kept")
         self.sink.flush()
         return True

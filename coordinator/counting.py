@@ -52,7 +52,7 @@ class UpdateCounter:
         except StrategyError as exc:  # the strategy's staleness rule failed
             raise self._stop_for(exc) from exc
         pin = self.state.pinned
-        if pin is not None and a.key not in pin.keys:
+        if pin is not None and not pin.released and a.key not in pin.keys:
             # The round was decided before a restart: only its recorded updates are taken
             # back, so that it closes exactly as decided (``coordinator.recovery``).
             raise Refused(

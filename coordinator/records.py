@@ -120,10 +120,12 @@ class ClosedRound:
 class PinnedClose:
     """A round decided before a restart whose close cannot be replayed (a spooled update it
     names was damaged): it is open again to take exactly ``keys`` back, then closes as
-    recorded (see ``coordinator.recovery``)."""
+    recorded (see ``coordinator.recovery``). ``released``: its deadline passed without them,
+    and it closes by the ordinary rules."""
 
     keys: tuple[UpdateKey, ...]
     reason: str
+    released: bool = False
 
 
 @dataclass

@@ -22,6 +22,7 @@ counted once. A close record naming a damaged update cannot be replayed: see ``_
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import replace
 
@@ -144,7 +145,8 @@ def _replay_close(core, number: int, record: dict, check: SpoolCheck) -> PinnedC
     straggler's late one, none of the lost ones) and publish a different theta_{r+1} under the
     same version; the pin holds only until the round's deadline, counted from this restart
     (and kept across further ones), so a site that can no longer re-send does not stall the
-    job for good. The record itself stays: a restart meanwhile pins the round again.
+    job for good. The record itself stays: a restart meanwhile pins the round again. What
+    round r+1 spooled before the restart is left alone until then (``after_pinned_close``).
     """
     s = core.state
     keys = [UpdateKey.from_json(k) for k in record["keys"]]
@@ -216,6 +218,37 @@ def _reopen(core, number: int, check: SpoolCheck, pin: PinnedClose | None) -> li
     call_hook(core.strategy, "begin_round", s.round.number, s.theta.tensors)
     log.info("round %d replays with %d spooled update(s)", number, len(s.accepted))
     return expected
+
+
+def after_pinned_close(core, kept: bool) -> None:
+    """The round after a pinned one (see ``_replay_close``), once that closed.
+
+    Closed as recorded (``kept``), theta_{r+1} is the one served before the restart, so what
+    round r+1 spooled before it stays valid: the round opens again from its spool, exactly as
+    at a restart after an ordinary close replay. Closed by the ordinary rules instead, theta_{r+1}
+    is another one and round r+1's spooled updates were trained from the old one: they go.
+    """
+    number = core.state.round.number
+    folder = core.spool.round_dir(number)
+    if not kept:
+        if folder.exists():
+            log.error(
+                "round %d: dropping the updates spooled before the restart (trained from the "
+                "old theta_%d): %s",
+                number,
+                number,
+                ", ".join(u.key.label for u in core.spool.completed(number)) or "none",
+            )
+            shutil.rmtree(folder, ignore_errors=True)
+        return
+    check = check_round(core.spool, number)  # the hashing, without the lock
+    with core.lock:
+        s = core.state
+        if s.round.number != number or s.round.opened_at is not None:
+            return
+        if _reopen(core, number, check, None) is not None:
+            s.wanted = Wanted(number, _lost(check, None))
+            s.changed()
 
 
 def _lost(check: SpoolCheck, pin: PinnedClose | None) -> frozenset[UpdateKey]:

@@ -38,6 +38,7 @@ class CloseOrder:
     running_sum: StreamingMean | None = None
     clipped: dict[str, float] = field(default_factory=dict)
     replay: bool = False
+    after_pin: str = ""  # a pinned round's close: "kept" (as recorded) or "released"
 
 
 @dataclass(frozen=True)
@@ -127,16 +128,18 @@ class RoundDriver:
         s = self.state
         if s.round.opened_at is None or s.committing:
             return None  # an update is being made durable: it will count, or be refused
-        if s.pinned is not None:
-            step = pinned_step(now, s.round.opened_at + self.opts.deadline_s, s.pinned, s.accepted)
+        pin = s.pinned
+        if pin is not None and not pin.released:
+            step = pinned_step(now, s.round.opened_at + self.opts.deadline_s, pin, s.accepted)
             if step == "wait":
                 return None  # no backup copies either: only the recorded keys are taken
-            pin, s.pinned = s.pinned, None
             if step == "close":
+                s.pinned = None
                 log.info(
                     "round %d: its recorded updates are back; closing as decided", s.round.number
                 )
-                return self._order(list(pin.keys), pin.reason)
+                return self._order(list(pin.keys), pin.reason, "kept")
+            s.pinned = replace(pin, released=True)
             log.error(
                 "round %d: past its deadline without the lost update(s) %s; it closes by the "
                 "ordinary rules, so theta_%d may differ from the one served before the restart",
@@ -151,9 +154,10 @@ class RoundDriver:
         decision = decide_close(now, view, alive, self.opts)
         if not decision.act:
             return None
-        return self._order(self.fold_order(), decision.reason)
+        released, s.pinned = s.pinned is not None, None
+        return self._order(self.fold_order(), decision.reason, "released" if released else "")
 
-    def _order(self, keys: list[UpdateKey], reason: str) -> CloseOrder:
+    def _order(self, keys: list[UpdateKey], reason: str, after_pin: str = "") -> CloseOrder:
         s = self.state
         s.round = replace(s.round, closed=True)
         return CloseOrder(
@@ -164,6 +168,7 @@ class RoundDriver:
             tuple(s.slots),
             s.running_sum,
             {k.label: n for k, n in s.norms.items() if k in s.accepted},
+            after_pin=after_pin,
         )
 
     def fold_order(self) -> list[UpdateKey]:

@@ -124,14 +124,16 @@ def _killed(self, ckpt):  # the process dies before the checkpoint is written
 
 
 def decided_then_killed(tmp_path, monkeypatch, sites, **sections):
-    """Round 0 closes (theta_1 served); the process dies before theta_1's checkpoint."""
+    """Round 0 closes (theta_1 served), site-b's round-1 update counts; the process dies
+    before theta_1's checkpoint."""
     clock = Clock()
     core, tokens = start(tmp_path, clock, sites, **sections)
     monkeypatch.setattr(store_mod.CheckpointStore, "save", _killed)
     push(core, "site-a", tokens["site-a"], 0, delta_like(core, DELTAS["site-a"]))
     push(core, "site-b", tokens["site-b"], 0, delta_like(core, DELTAS["site-b"]))
     heartbeat_all(core, clock, tokens, core.cfg.rounds.deadline_s + 1.0)
-    assert core.round.number == 1
+    assert core.round.number == 1 and core.round.opened_at is not None
+    push(core, "site-b", tokens["site-b"], 1, delta_like(core, 8.0))
     served = core.published.theta_hash
     with pytest.raises(OSError):
         core.writer.wait()
@@ -163,9 +165,12 @@ def test_a_close_record_naming_a_damaged_update_waits_for_it_and_closes_the_same
         )
     again.tick()
     assert again.round.number == 0  # still waiting for site-a
+    assert "decided before a restart; waiting for site-a" in again.waiting_reason()
     push(again, "site-a", tokens["site-a"], 0, delta_like(again, DELTAS["site-a"]), upload_id="y")
     assert again.tick() and again.round.number == 1
     assert again.published.theta_hash == served  # bit for bit
+    # So round 1 goes on from its spool: site-b's update, trained from that theta_1, counts.
+    assert again.round.opened_at is not None and set(again.round.received) == {"site-b"}
     again.writer.wait()
     meta = json.loads((tmp_path / "state/checkpoints/round-00000001/meta.json").read_text())
     assert meta["closed_round"]["sites"] == ["site-a", "site-b"]
@@ -185,6 +190,11 @@ def test_without_the_resend_the_pinned_round_closes_at_its_deadline(tmp_path, mo
         heartbeat_all(again, clock, tokens, 10.0)
     assert again.round.number == 1 and again.published.theta_hash != served
     assert "may differ" in caplog.text
+    # Round 1's spooled update was trained from the old theta_1: it goes.
+    assert "dropping the updates spooled before the restart" in caplog.text
+    assert not spooled(tmp_path, 1, "site-b").exists()
+    heartbeat_all(again, clock, tokens, 2.0)
+    assert again.round.number == 1 and again.round.received == {}
 
 
 # ---- shared-data mode: a lost unit is committed exactly once ----------------------------------
