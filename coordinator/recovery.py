@@ -124,12 +124,16 @@ class _SpoolChecks:
 
     def __call__(self, number: int) -> SpoolCheck:
         if number not in self.done:
-            check = self.done[number] = check_round(self.core.spool, number)
-            for d in check.damaged:
-                self.core.sink.post(
-                    "update_damaged", round=number, key=d.key.label, why=d.describe()
-                )
+            self.done[number] = _checked(self.core, number)
         return self.done[number]
+
+
+def _checked(core, number: int) -> SpoolCheck:
+    """Round ``number``'s spool checked, each damaged update in the event log too."""
+    check = check_round(core.spool, number)
+    for d in check.damaged:
+        core.sink.post("update_damaged", round=number, key=d.key.label, why=d.describe())
+    return check
 
 
 def _replay_close(core, number: int, record: dict, check: SpoolCheck) -> PinnedClose | None:
@@ -241,7 +245,7 @@ def after_pinned_close(core, kept: bool) -> None:
             )
             shutil.rmtree(folder, ignore_errors=True)
         return
-    check = check_round(core.spool, number)  # the hashing, without the lock
+    check = _checked(core, number)  # the hashing, without the lock
     with core.lock:
         s = core.state
         if s.round.number != number or s.round.opened_at is not None:
