@@ -35,6 +35,7 @@ from coordinator.records import (
     Published,
     PushHeader,
     Refused,
+    UpdateKey,
     check_name,
 )
 from coordinator.round_driver import RoundDriver
@@ -202,6 +203,11 @@ class CoordinatorCore:
         }
         if self.data.kind == "shared":
             info["data_unit"] = unit
+        if site is not None:
+            key = UpdateKey(site, unit=unit)
+            info["update_wanted"] = participant and s.wanted.asks_for(
+                s.round.number, key, s.accepted, s.committing
+            )
         return info
 
     def snapshot(self) -> StatusSnapshot:
@@ -215,6 +221,10 @@ class CoordinatorCore:
                 return s.fatal
             if s.finished:
                 return f"job finished after {self.cfg.rounds.total} rounds"
+            pin = s.pinned
+            if pin is not None and not pin.released:
+                lost = ", ".join(k.label for k in pin.keys if k not in s.accepted)
+                return f"round {s.round.number} was decided before a restart; waiting for {lost}"
             now = self.clock()
             return self.data.waiting_reason(
                 now, s.round, self.members.responsive(now), self.cfg.rounds
@@ -342,5 +352,7 @@ class CoordinatorCore:
         if step.order is None:
             return False
         self.pipeline.run(step.order)
+        if step.order.after_pin:
+            recovery.after_pinned_close(self, step.order.after_pin == "kept")
         self.sink.flush()
         return True

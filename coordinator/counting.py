@@ -51,6 +51,15 @@ class UpdateCounter:
             )
         except StrategyError as exc:  # the strategy's staleness rule failed
             raise self._stop_for(exc) from exc
+        pin = self.state.pinned
+        if pin is not None and not pin.released and a.key not in pin.keys:
+            # The round was decided before a restart: only its recorded updates are taken
+            # back, so that it closes exactly as decided (``coordinator.recovery``).
+            raise Refused(
+                "late",
+                f"round {header.round} was closed before the coordinator restarted; it takes "
+                f"back only its recorded updates, not {a.key.label}",
+            )
         if header.base_version != a.trained_from:
             raise Refused(
                 "invalid",

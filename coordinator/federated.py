@@ -131,6 +131,10 @@ class FederatedData:
         """Count a spooled update of the round in flight again after a restart."""
         return self.record(round, key, weight, 0.0, None)
 
+    def readmit(self, round: RoundState, key: UpdateKey) -> None:
+        """A spooled update was lost at a restart: nothing to undo, its site is a participant
+        that has not delivered (``admit`` takes its update again)."""
+
     # ---- persistence ----------------------------------------------------------------------
 
     def meta(self) -> dict:

@@ -57,6 +57,15 @@ class UpdateKey:
             return f"{self.site}@late{self.late_from}"
         return self.site
 
+    @classmethod
+    def from_label(cls, label: str) -> UpdateKey:
+        """The key ``label`` names (site names cannot hold ``@``: the split is unambiguous)."""
+        site, _, rest = label.partition("@")
+        late = rest.removeprefix("late")
+        if rest.startswith("late") and late.isdigit():
+            return cls(site, late_from=int(late))
+        return cls(site, unit=rest)
+
     def to_json(self) -> dict:
         return {"site": self.site, "unit": self.unit, "late_from": self.late_from}
 
@@ -105,6 +114,18 @@ class ClosedRound:
     @property
     def sites(self) -> frozenset[str]:
         return frozenset(k.site for k in self.keys)
+
+
+@dataclass(frozen=True)
+class PinnedClose:
+    """A round decided before a restart whose close cannot be replayed (a spooled update it
+    names was damaged): it is open again to take exactly ``keys`` back, then closes as
+    recorded (see ``coordinator.recovery``). ``released``: its deadline passed without them,
+    and it closes by the ordinary rules."""
+
+    keys: tuple[UpdateKey, ...]
+    reason: str
+    released: bool = False
 
 
 @dataclass

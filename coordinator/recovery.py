@@ -10,21 +10,30 @@ state, the data ledger), the spool of the rounds since, and the event log. At st
    if the current round had opened, it opens again with the same participants and deadline and
    every spooled update counts again; otherwise the sites of the round closed last are expected
    back. Either way each of them holds a provisional lease until it re-joins (or it lapses).
+
+Nothing spooled counts again unchecked: each update's file is compared with the length and
+SHA-256 its record holds (``coordinator.spool_check``). A damaged one is moved aside and not
+counted, its site is asked to send it again (``RoundInfo.update_wanted``), and in shared-data
+mode its unit is uncommitted again (it was never committed in the checkpointed ledger: replay
+simply does not commit it), so it is re-sent, re-trained elsewhere or carried over, and
+counted once. A close record naming a damaged update cannot be replayed: see ``_replay_close``.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import replace
 
 from coordinator.federated import FederatedData
 from coordinator.model_source import initial_theta, trainable_names
 from coordinator.publish import publication
-from coordinator.records import ClosedRound, UpdateKey
+from coordinator.records import ClosedRound, PinnedClose, UpdateKey
 from coordinator.round_driver import CloseOrder
 from coordinator.rounds import RoundState
 from coordinator.shared_data import SharedData
+from coordinator.spool_check import SpoolCheck, Wanted, check_round
 from coordinator.state import CoordinatorState
 from coordinator.store import Checkpoint, StoreError
 from strategies.base import call_hook
@@ -89,33 +98,82 @@ def resume(core) -> None:
     s = core.state
     core.sink.post("start", epoch=core.members.epoch, round=s.round.number)
     first = s.round.number
+    checks = _SpoolChecks(core)
     record = core.spool.read_close(first)
+    pin = None
     if record is not None and not s.finished:
-        _replay_close(core, first, record)
-    expected = _reopen(core, s.round.number) if not s.finished else None
+        pin = _replay_close(core, first, record, checks(first))
+    expected = _reopen(core, s.round.number, checks(s.round.number), pin)
     if expected is None:
         # Between rounds, or after the last one (the sites still fetch the final theta):
         # the sites of the round closed last are expected back.
         expected = sorted(s.last_closed.sites) if s.last_closed else []
-        for update in core.spool.completed(s.round.number):
+        for update in checks(s.round.number).good:
             if update.key.late_from is not None:  # folded before the round opened
                 s.accepted[update.key] = update
+    s.wanted = Wanted(s.round.number, _lost(checks(s.round.number), pin))
+    s.pinned = pin if s.round.opened_at is not None else None
     core.members.provisional(expected, core.clock())
     if expected:
         log.info("expecting %s to re-join", ", ".join(expected))
     core.spool.drop_rounds_before(first)
 
 
-def _replay_close(core, number: int, record: dict) -> None:
-    """Carry out a close decided before the restart, from its record and the spool."""
+class _SpoolChecks:
+    """Each replayed round's spool, checked once (``coordinator.spool_check``)."""
+
+    def __init__(self, core) -> None:
+        self.core, self.done = core, {}
+
+    def __call__(self, number: int) -> SpoolCheck:
+        if number not in self.done:
+            self.done[number] = _checked(self.core, number)
+        return self.done[number]
+
+
+def _checked(core, number: int) -> SpoolCheck:
+    """Round ``number``'s spool checked, each damaged update in the event log too."""
+    check = check_round(core.spool, number)
+    for d in check.damaged:
+        core.sink.post("update_damaged", round=number, key=d.key.label, why=d.describe())
+    return check
+
+
+def _replay_close(core, number: int, record: dict, check: SpoolCheck) -> PinnedClose | None:
+    """Carry out a close decided before the restart, from its record and the spool.
+
+    When the record names an update the spool no longer holds intact, the close cannot be
+    carried out and is *pinned* instead (returned): the round opens again, takes back exactly
+    the recorded updates (their sites are asked to send the lost ones again), and then closes
+    as recorded. A site's update is a deterministic payload it keeps until the round after
+    next opens (``site_client.tasks``), so an identical re-send gives the same theta_{r+1} bit
+    for bit, which is the safest outcome: theta_{r+1} may have been served already. Dropping
+    the record and closing by the ordinary rules could count a different set of updates (a
+    straggler's late one, none of the lost ones) and publish a different theta_{r+1} under the
+    same version; the pin holds only until the round's deadline, counted from this restart
+    (and kept across further ones), so a site that can no longer re-send does not stall the
+    job for good. The record itself stays: a restart meanwhile pins the round again. What
+    round r+1 spooled before the restart is left alone until then (``after_pinned_close``).
+    """
     s = core.state
     keys = [UpdateKey.from_json(k) for k in record["keys"]]
-    spooled = {u.key: u for u in core.spool.completed(number)}
+    spooled = {u.key: u for u in check.good}
     lost = [k.label for k in keys if k not in spooled]
     if lost:
-        raise StoreError(
-            f"the close record of round {number} names updates the spool no longer has: {lost}"
+        log.error(
+            "round %d was decided before the restart, but its close record names spooled "
+            "update(s) that are damaged or missing: %s. The close cannot be replayed: the round "
+            "opens again and waits for exactly its recorded updates; an identical re-send gives "
+            "the same theta_%d. theta_%d may have been served already: should the round close "
+            "without them (its deadline), theta_%d differs and the sites that fetched it must "
+            "fetch it again",
+            number,
+            ", ".join(lost),
+            number + 1,
+            number + 1,
+            number + 1,
         )
+        return PinnedClose(tuple(keys), record["reason"])
     rnd = RoundState(number, opened_at=core.clock(), participants=frozenset(record["participants"]))
     core.data.round_opened(rnd, core.sink.post)
     for k in keys:
@@ -137,29 +195,73 @@ def _replay_close(core, number: int, record: dict) -> None:
         replay=True,
     )
     core.pipeline.run(order)
+    return None
 
 
-def _reopen(core, number: int) -> list[str] | None:
+def _reopen(core, number: int, check: SpoolCheck, pin: PinnedClose | None) -> list[str] | None:
     """Open the round in flight at the crash again; the sites expected back, or None."""
     s = core.state
-    saved = core.spool.read_round(number)
+    saved = None if s.finished else core.spool.read_round(number)
     if saved is None:
         return None
+    if pin is not None and "reopened_wall" not in saved:
+        saved = {**saved, "reopened_wall": time.time()}
+        core.spool.write_round(number, saved)
     expected = sorted(saved["participants"])
-    # The deadline runs from when the round first opened, not from this restart, or
-    # repeated crashes could hold a round open for ever.
-    elapsed = max(0.0, time.time() - saved.get("opened_wall", time.time()))
+    # The deadline runs from when the round first opened (for a pinned round: first opened
+    # again), not from this restart, or repeated crashes could hold a round open for ever.
+    since = saved.get("reopened_wall" if pin is not None else "opened_wall", time.time())
+    elapsed = max(0.0, time.time() - since)
     s.round = RoundState(number, opened_at=core.clock() - elapsed, participants=frozenset(expected))
     core.data.round_opened(s.round, core.sink.post)
     s.slots = list(saved.get("slots") or core.data.slots(s.round))
-    for update in core.spool.completed(number):
+    for update in check.good:
         s.round = core.data.replay(s.round, update.key, update.weight)
         s.accepted[update.key] = update
+    for key in sorted(_lost(check, pin) - s.accepted.keys(), key=lambda k: k.label):
+        core.data.readmit(s.round, key)  # the site may send it again
     _measure(core)
     s.running_sum = core.new_sum(s.slots)
     call_hook(core.strategy, "begin_round", s.round.number, s.theta.tensors)
     log.info("round %d replays with %d spooled update(s)", number, len(s.accepted))
     return expected
+
+
+def after_pinned_close(core, kept: bool) -> None:
+    """The round after a pinned one (see ``_replay_close``), once that closed.
+
+    Closed as recorded (``kept``), theta_{r+1} is the one served before the restart, so what
+    round r+1 spooled before it stays valid: the round opens again from its spool, exactly as
+    at a restart after an ordinary close replay. Closed by the ordinary rules instead, theta_{r+1}
+    is another one and round r+1's spooled updates were trained from the old one: they go.
+    """
+    number = core.state.round.number
+    folder = core.spool.round_dir(number)
+    if not kept:
+        if folder.exists():
+            log.error(
+                "round %d: dropping the updates spooled before the restart (trained from the "
+                "old theta_%d): %s",
+                number,
+                number,
+                ", ".join(u.key.label for u in core.spool.completed(number)) or "none",
+            )
+            shutil.rmtree(folder, ignore_errors=True)
+        return
+    check = _checked(core, number)  # the hashing, without the lock
+    with core.lock:
+        s = core.state
+        if s.round.number != number or s.round.opened_at is not None:
+            return
+        if _reopen(core, number, check, None) is not None:
+            s.wanted = Wanted(number, _lost(check, None))
+            s.changed()
+
+
+def _lost(check: SpoolCheck, pin: PinnedClose | None) -> frozenset[UpdateKey]:
+    """Updates of the round whose spooled copy is gone: set aside as damaged (now or at an
+    earlier start), or named by a close record that cannot be replayed."""
+    return check.set_aside | frozenset(pin.keys if pin is not None else ())
 
 
 def _measure(core) -> dict[str, float]:

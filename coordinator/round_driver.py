@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from coordinator.accumulate import StreamingMean, fold_order
 from coordinator.membership import Membership
-from coordinator.records import FatalError, UpdateKey
+from coordinator.records import FatalError, PinnedClose, UpdateKey
 from coordinator.rounds import RoundState, admit_latecomers, decide_close, open_round
 from coordinator.spool import SpooledUpdate
 from coordinator.state import CoordinatorState
@@ -38,6 +38,7 @@ class CloseOrder:
     running_sum: StreamingMean | None = None
     clipped: dict[str, float] = field(default_factory=dict)
     replay: bool = False
+    after_pin: str = ""  # a pinned round's close: "kept" (as recorded) or "released"
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,25 @@ class RoundDriver:
         s = self.state
         if s.round.opened_at is None or s.committing:
             return None  # an update is being made durable: it will count, or be refused
+        pin = s.pinned
+        if pin is not None and not pin.released:
+            step = pinned_step(now, s.round.opened_at + self.opts.deadline_s, pin, s.accepted)
+            if step == "wait":
+                return None  # no backup copies either: only the recorded keys are taken
+            if step == "close":
+                s.pinned = None
+                log.info(
+                    "round %d: its recorded updates are back; closing as decided", s.round.number
+                )
+                return self._order(list(pin.keys), pin.reason, "kept")
+            s.pinned = replace(pin, released=True)
+            log.error(
+                "round %d: past its deadline without the lost update(s) %s; it closes by the "
+                "ordinary rules, so theta_%d may differ from the one served before the restart",
+                s.round.number,
+                ", ".join(k.label for k in pin.keys if k not in s.accepted),
+                s.round.number + 1,
+            )
         responsive = self.members.responsive(now)
         if self.data.speculate(now, s.round, self.members, self.post):
             s.changed()
@@ -134,16 +154,21 @@ class RoundDriver:
         decision = decide_close(now, view, alive, self.opts)
         if not decision.act:
             return None
+        released, s.pinned = s.pinned is not None, None
+        return self._order(self.fold_order(), decision.reason, "released" if released else "")
+
+    def _order(self, keys: list[UpdateKey], reason: str, after_pin: str = "") -> CloseOrder:
+        s = self.state
         s.round = replace(s.round, closed=True)
-        keys = self.fold_order()
         return CloseOrder(
             s.round,
             tuple(keys),
             tuple(s.accepted[k] for k in keys),
-            decision.reason,
+            reason,
             tuple(s.slots),
             s.running_sum,
             {k.label: n for k, n in s.norms.items() if k in s.accepted},
+            after_pin=after_pin,
         )
 
     def fold_order(self) -> list[UpdateKey]:
@@ -152,3 +177,12 @@ class RoundDriver:
         slot_of = {k: self.data.slot_of(k) for k in s.accepted}
         filled = {slot: k for k, slot in slot_of.items() if slot is not None}
         return fold_order(s.slots, filled, [k for k, slot in slot_of.items() if slot is None])
+
+
+def pinned_step(now: float, deadline: float, pin: PinnedClose, counted) -> str:
+    """What a pinned round (``records.PinnedClose``) does now: ``"close"`` once every recorded
+    update is counted again, ``"release"`` past its deadline without them (the ordinary rules
+    take over), else ``"wait"``."""
+    if all(k in counted for k in pin.keys):
+        return "close"
+    return "release" if now >= deadline else "wait"

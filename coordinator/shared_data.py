@@ -215,6 +215,20 @@ class SharedData:
         self.commit_times[key.unit] = 0.0
         return record_update(round, key.unit, weight)
 
+    def readmit(self, round: RoundState, key: UpdateKey) -> None:
+        """A spooled copy of ``key.unit`` was lost at a restart, so replay left the unit
+        uncommitted: the site that sent it holds it again (it was a backup copy the
+        checkpointed ledger does not know of) and may send it again; first commit wins."""
+        try:
+            if self.ledger.committed_by(key.unit) is not None:
+                return
+            if key.site not in self.ledger.holders(round.number, key.unit):
+                self.ledger.add_backup(round.number, key.unit, key.site)
+        except LedgerError as exc:  # not a unit of this round: nobody is asked for it
+            log.warning(
+                "round %d: lost update %s is not asked for again: %s", round.number, key.label, exc
+            )
+
     # ---- persistence ----------------------------------------------------------------------
 
     def meta(self) -> dict:

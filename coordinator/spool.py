@@ -15,6 +15,11 @@ Beside the updates, two small records make the round replayable after a crash:
   the previous checkpoint it determines theta_{r+1}, so the coordinator publishes theta_{r+1}
   without waiting for its own checkpoint; a restart recomputes it from here.
 
+A restart checks each spooled update against the length and SHA-256 its ``LABEL.json`` records
+before counting it again (``coordinator.spool_check``); one that no longer matches is moved
+aside into ``damaged/`` (kept as evidence, and as the record that its site is asked to send it
+again) rather than deleted.
+
 The fsyncs of an update happen outside the coordinator's lock (see ``coordinator.core``).
 """
 
@@ -39,6 +44,7 @@ from wire.tensors import Manifest, TensorEntry, entry_tensor
 # Site names start with a letter or digit, so no update's "LABEL.json" can be these files.
 ROUND_FILE = "_round.json"
 CLOSE_FILE = "_close.json"
+DAMAGED_DIR = "damaged"
 _scratch = threading.local()
 
 
@@ -209,22 +215,54 @@ class UpdateSpool:
         return SpooledUpdate(key, weight, final, manifest)
 
     def completed(self, round_number: int) -> list[SpooledUpdate]:
-        """Updates of a round that were committed (e.g. before a crash)."""
+        """Updates of a round that were committed (e.g. before a crash), as their records say:
+        their files are not checked here (``coordinator.spool_check`` does that)."""
+        return [u for u in self.listing(round_number)[0] if u.path.exists()]
+
+    def listing(self, round_number: int) -> tuple[list[SpooledUpdate], list[str]]:
+        """Every committed update's record (its file may be missing), and the labels of
+        records that do not parse."""
         d = self.round_dir(round_number)
-        out = []
+        out, unreadable = [], []
         for meta_path in sorted(d.glob("*.json")) if d.exists() else []:
             if meta_path.name in (ROUND_FILE, CLOSE_FILE):
                 continue
-            meta = json.loads(meta_path.read_text())
-            key = UpdateKey.from_json(meta["key"])
-            path = d / f"{key.label}.update"
-            if not path.exists():
+            try:
+                meta = json.loads(meta_path.read_text())
+                key = UpdateKey.from_json(meta["key"])
+                manifest = _entries_from_json(
+                    meta["tensors"], meta["total_bytes"], bytes.fromhex(meta["sha256"])
+                )
+                weight = float(meta["weight"])
+            except (ValueError, KeyError, TypeError, AttributeError):
+                unreadable.append(meta_path.stem)
                 continue
-            manifest = _entries_from_json(
-                meta["tensors"], meta["total_bytes"], bytes.fromhex(meta["sha256"])
-            )
-            out.append(SpooledUpdate(key, float(meta["weight"]), path, manifest))
-        return out
+            out.append(SpooledUpdate(key, weight, d / f"{key.label}.update", manifest))
+        return out, unreadable
+
+    def set_aside(self, round_number: int, label: str) -> Path:
+        """Move update ``label``'s files into the round's ``damaged/`` folder (as
+        ``LABEL.N.json`` and ``LABEL.N.update``, N counting earlier copies set aside); returns
+        where its record went. The record goes first: from then on the update is not counted."""
+        d = self.round_dir(round_number)
+        aside = d / DAMAGED_DIR
+        aside.mkdir(parents=True, exist_ok=True)
+        n = 0
+        while (aside / f"{label}.{n}.json").exists() or (aside / f"{label}.{n}.update").exists():
+            n += 1
+        for suffix in ("json", "update"):
+            src = d / f"{label}.{suffix}"
+            if src.exists():
+                os.replace(src, aside / f"{label}.{n}.{suffix}")
+        fsync_dir(aside)
+        fsync_dir(d)
+        return aside / f"{label}.{n}.json"
+
+    def set_aside_labels(self, round_number: int) -> list[str]:
+        """Labels of the updates of a round ever set aside as damaged (sorted, no repeats)."""
+        aside = self.round_dir(round_number) / DAMAGED_DIR
+        names = aside.glob("*.json") if aside.is_dir() else []
+        return sorted({p.name.removesuffix(".json").rpartition(".")[0] for p in names})
 
     def write_round(self, round_number: int, info: dict) -> None:
         self._write_record(round_number, ROUND_FILE, info)

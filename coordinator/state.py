@@ -12,9 +12,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from coordinator.accumulate import StreamingMean
-from coordinator.records import ClosedRound, Published, UpdateKey
+from coordinator.records import ClosedRound, PinnedClose, Published, UpdateKey
 from coordinator.rounds import RoundState
 from coordinator.spool import SpooledUpdate
+from coordinator.spool_check import Wanted
 from wire.theta import ThetaBuffer
 
 
@@ -37,6 +38,10 @@ class CoordinatorState:
         meanwhile.
     last_closed
         The round closed last (late updates are judged against it).
+    wanted, pinned
+        Set at start-up: updates of the open round whose spooled copy was damaged (their
+        sites are asked to send them again), and the recorded close the round must repeat
+        when its record named one of them (``coordinator.recovery``).
     """
 
     round: RoundState
@@ -50,6 +55,8 @@ class CoordinatorState:
     norms: dict[UpdateKey, float] = field(default_factory=dict)
     committing: set[UpdateKey] = field(default_factory=set)
     last_closed: ClosedRound | None = None
+    wanted: Wanted = field(default_factory=Wanted)
+    pinned: PinnedClose | None = None
     last_close_reason: str = ""
     fatal: str | None = None
     bytes_in: int = 0

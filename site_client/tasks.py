@@ -9,6 +9,14 @@ drops its update if not yet delivered. A shared-data task also ends when a later
 its round has closed, so its update can no longer count (an uncommitted unit is handed out
 again in a later round, as a new task).
 
+A delivered update is kept, as the very payload that was sent, until the round after next
+opens: a restarted coordinator that finds its spooled copy damaged asks for it again
+(``RoundInfo.update_wanted``), and only the same bytes give the same theta. Its round may even
+have been closed and theta_{r+1} served already (see ``coordinator.recovery``), but round r+2
+opens only once theta_{r+1}'s checkpoint is durable, so no update is wanted again after that.
+The cost is one update's memory (encoded bytes, or the mapping of the trainers' files) held
+into the next round.
+
 :class:`TaskBook` is the bookkeeping only (no clock, no I/O, no locking): the agent holds one
 under its condition variable and does the file and network work around it.
 """
@@ -80,6 +88,7 @@ class Upload:
     version: int
     aborted: bool = False
     durable: threading.Event = field(default_factory=threading.Event)
+    payload: object | None = None  # as built for its push (``site_client.update_payload``)
 
     def discard_files(self) -> None:
         for path in self.paths:
@@ -109,6 +118,9 @@ class TaskBook:
         Whether the first of ``pending`` is being pushed.
     durable
         Tasks whose end the trainers have checkpointed (their update may count).
+    delivered
+        Updates the coordinator counted, with their payload, kept in case it asks for one
+        again; released when the round after next opens, or when another copy of the unit won.
     """
 
     issued: dict[Task, int] = field(default_factory=dict)
@@ -118,6 +130,7 @@ class TaskBook:
     open_round: int = -1
     pushing: bool = False
     durable: set[Task] = field(default_factory=set)
+    delivered: dict[Task, Upload] = field(default_factory=dict)
 
     def is_cancelled(self, task: Task) -> bool:
         """Whether ``task`` is a shared-data task cancelled or left behind by its round."""
@@ -180,6 +193,8 @@ class TaskBook:
         """
         rounds = [t.round for t in (*self.issued, *self.pending) if t.unit == unit]
         self.cancelled[unit] = max(known_round, *rounds, self.cancelled.get(unit, -1))
+        for task in [t for t in self.delivered if t.unit == unit]:
+            del self.delivered[task]  # another copy counts: ours is never wanted again
         return self._drop(abort=True)
 
     def advance(self, open_round: int) -> list[Upload]:
@@ -189,6 +204,8 @@ class TaskBook:
         if open_round <= self.open_round:
             return []
         self.open_round = open_round
+        for task in [t for t in self.delivered if t.round < open_round - 1]:
+            del self.delivered[task]
         return self._drop(abort=False)[0]
 
     def _drop(self, abort: bool) -> tuple[list[Upload], Upload | None]:
@@ -217,9 +234,34 @@ class TaskBook:
         self.pushing = upload is not None
         return upload
 
-    def end_upload(self, upload: Upload) -> None:
-        """``upload`` was delivered, refused or given up: its task is finished."""
+    def end_upload(self, upload: Upload, counted: bool = False) -> None:
+        """``upload`` was delivered, refused or given up: its task is finished. A counted one
+        is kept (with its ``payload``) in ``delivered``."""
         self.pending.pop(upload.task, None)
         self.finished.add(upload.task)
         self.issued.pop(upload.task, None)
         self.pushing = False
+        if counted and upload.payload is not None:
+            self.delivered[upload.task] = upload
+
+    def hold(self, upload: Upload) -> None:
+        """The push of ``upload`` waits (the coordinator is at an earlier round)."""
+        self.pushing = False
+
+    def wanted_again(self, info: pb.RoundInfo | None) -> Task | None:
+        """The delivered task ``info`` asks for again, if this site still holds its update."""
+        task = task_of(info)
+        if task is None or not info.update_wanted or task in self.pending:
+            return None
+        return task if task in self.delivered else None
+
+    def take_back(self, task: Task) -> Upload | None:
+        """Queue the delivered update of ``task`` again, first (it is what the coordinator
+        waits for); returns it."""
+        if self.pushing or task not in self.delivered:
+            return None  # the one being pushed stays first
+        upload = self.delivered.pop(task)
+        upload.aborted = False
+        self.finished.discard(task)
+        self.pending = {task: upload, **self.pending}
+        return upload

@@ -6,6 +6,11 @@ An update goes up as the trainers' shard files, encoded piece by piece
 (``site_client.update_payload``). Its last chunk waits until the trainers' checkpoint of the
 task is on disk: once the coordinator counts the update, the site can always go on exactly
 from where that update left it.
+
+A counted update stays held (``site_client.tasks``): when the coordinator says it lost its copy
+(``RoundInfo.update_wanted``, after a restart found the spooled file damaged) the same payload
+is pushed again, byte for byte. An update for a round the coordinator is not at yet waits (a
+restarted coordinator may have gone back to the round before, to take such an update back).
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class WanWorker:
                     work = self.work()
                 if work == "fetch":
                     self.fetch()
+                elif work == "resend":
+                    self.resend()
                 elif work == "push":
                     self.push()
         except (CoordinatorError, DeadlineExceeded, OSError) as exc:
@@ -70,22 +77,48 @@ class WanWorker:
         s = self.state
         if s.info is None:
             return None
-        if s.book.next_upload() is not None:
+        if s.book.wanted_again(s.info) is not None:
+            return "resend"
+        upload = s.book.next_upload()
+        if upload is not None and (s.info.finished or upload.task.round <= s.info.round):
             return "push"
         task = task_of(s.info)
         wanted = s.info.finished or (task is not None and not s.book.done(task))
-        if wanted and (s.ready is None or s.ready.version != s.info.version):
+        if wanted and not _holds(s.ready, s.info):
             return "fetch"
         return None
+
+    def resend(self) -> None:
+        """Queue the delivered update the coordinator asks for again, then push it."""
+        s = self.state
+        with s.cond:
+            task = s.book.wanted_again(s.info)
+            if task is None or s.book.take_back(task) is None:
+                return
+            # Acted on: the coordinator's next reply says whether it still wants it.
+            s.info.update_wanted = False
+        log.warning(
+            "[%s] the coordinator lost its copy of the %s update: sending it again",
+            self.cfg.site,
+            describe(task),
+        )
+        self.push()
 
     def fetch(self) -> None:
         s = self.state
         with s.cond:
             info, held = s.info, s.held
             s.progress.phase = "fetching"
+        name = f"theta-v{info.version}"
+        if held is not None and held.version == info.version:
+            # Same version, another theta: a restarted coordinator had to close its round
+            # again without an update it lost. Fetched whole, into a new file (the trainers
+            # may still map the old one).
+            log.warning("[%s] theta_%d changed; fetching it again", self.cfg.site, info.version)
+            held, name = None, f"{name}-{info.theta_hash.hex()[:12]}"
         started = time.monotonic()
         received = self.client.bytes_received
-        dest = self.cfg.shm_dir / f"theta-v{info.version}.safetensors"
+        dest = self.cfg.shm_dir / f"{name}.safetensors"
         try:
             got = self.client.fetch(info.version, held=held, dest=dest)
             if got.path is None:  # served in a layout the file could not take: write it out
@@ -141,34 +174,23 @@ class WanWorker:
         started = time.monotonic()
         sent_before = self.client.bytes_sent
         residuals = residual_snapshot(self.codec_state)
-        counted = False
-        try:
-            payload = build_payload(job.paths, self.compression, self.codec_state)
-            reply = self.client.push(
-                job.task.round,
-                payload,
-                weight=job.weight,
-                base_version=job.version,
-                data_unit=job.task.unit,
-                abort=lambda: job.aborted,
-                hold=job.durable,
+        outcome, counted = self._send(job)
+        if outcome is None:  # the coordinator is at an earlier round: push it once there
+            self.codec_state.load_state_dict(residuals)  # encoded again then, the same
+            with s.cond:
+                s.book.hold(job)
+                s.progress.phase = "idle"
+                s.cond.notify_all()
+            log.info(
+                "[%s] %s: waiting for the coordinator to reach it",
+                self.cfg.site,
+                describe(job.task),
             )
-            outcome, counted = reply.message, True
-        except PushAborted:
-            outcome = "withdrawn: another copy of its unit was committed first"
-        except CoordinatorError as exc:
-            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
-                # The round closed without this site (deadline): the strategy's rule for late
-                # updates applies, and the trainers go on with the next task.
-                outcome = f"dropped: {exc}"
-            elif exc.code == grpc.StatusCode.ALREADY_EXISTS:
-                outcome = f"lost the race: {exc}"
-            else:
-                raise
+            return
         self._settle_residuals(job, counted, residuals, outcome)
-        job.discard_files()
+        job.discard_files()  # a held payload keeps its mapping of them
         with s.cond:
-            s.book.end_upload(job)
+            s.book.end_upload(job, counted)
             s.progress.phase = "idle"
             s.cond.notify_all()
         sent, seconds = self.client.bytes_sent - sent_before, time.monotonic() - started
@@ -191,6 +213,45 @@ class WanWorker:
             outcome,
         )
 
+    def _send(self, job) -> tuple[str | None, bool]:
+        """Push ``job`` (its held payload when it is sent again); the outcome for the log and
+        whether it counted. Outcome None: refused as early, to be pushed later."""
+        resend = job.payload is not None
+        if not resend:
+            job.payload = build_payload(job.paths, self.compression, self.codec_state)
+        try:
+            reply = self.client.push(
+                job.task.round,
+                job.payload,
+                weight=job.weight,
+                base_version=job.version,
+                data_unit=job.task.unit,
+                abort=lambda: job.aborted,
+                hold=job.durable,
+            )
+            return reply.message, True
+        except PushAborted:
+            return "withdrawn: another copy of its unit was committed first", False
+        except CoordinatorError as exc:
+            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                if not resend and self._behind(job.task.round):
+                    job.payload = None
+                    return None, False
+                # The round closed without this site (deadline): the strategy's rule for late
+                # updates applies, and the trainers go on with the next task.
+                return f"dropped: {exc}", False
+            if exc.code == grpc.StatusCode.ALREADY_EXISTS:
+                return f"lost the race: {exc}", False
+            raise
+
+    def _behind(self, round_number: int) -> bool:
+        """Whether the coordinator is at a round before ``round_number`` (asked afresh)."""
+        reply = self.client.heartbeat()
+        self.state.heard(reply.round, reply.commands)
+        with self.state.cond:
+            info = self.state.info
+            return not info.finished and info.round < round_number
+
     def _settle_residuals(self, job, counted: bool, residuals, outcome: str) -> None:
         if counted:
             # Delivered: the residuals the encoding left are what the next update adds back.
@@ -209,3 +270,10 @@ class WanWorker:
             "wan_bytes_received": self.client.bytes_received,
         }
         (self.cfg.run_dir / "final.json").write_text(json.dumps(final))
+
+
+def _holds(ready: Offer | None, info) -> bool:
+    """Whether the theta published to the trainers is the one ``info`` names."""
+    if ready is None or ready.version != info.version:
+        return False
+    return not info.theta_hash or ready.theta_hash == info.theta_hash.hex()

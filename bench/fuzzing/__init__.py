@@ -19,12 +19,18 @@ Cases come from three sources:
   cancelled by the client, a second stream for an upload held open by a first (busy), one
   serialized message with a byte flipped, inserted, deleted or truncated, or an extra
   undecodable message (the server then sees bad bytes);
-* oversized messages (33 MB, 4 MiB + 1 chunks, 100001 tensors, 1 MB strings echoed back).
+* oversized messages (33 MB, 4 MiB + 1 chunks, 100001 tensors, 1 MB strings echoed back);
+* held calls: up to 40 calls or streams of one method opened from another connection and never
+  sent a request, while an honest heartbeat of ``fz-a`` is timed (``honest_heartbeat_p99_ms``);
+* replay of damaged spool files: a valid update counts, the coordinator is killed, the update's
+  spooled file is damaged (a bit flipped, cut short, extended, deleted, its record cut) and the
+  coordinator restarted: the update must not count and ``fz-a`` must be asked for it again.
 
 The invariant is *hostile input changes nothing*. A client-side oracle, written from the
 protocol's rules rather than from the server's code, says whether a push stream would be a
 valid, complete update that must count. Such a stream is never sent as it is: its last chunk
-gets one bit flipped (an SHA-256 mismatch), so every push sent is one that must not count.
+gets one bit flipped (an SHA-256 mismatch), so every push sent is one that must not count
+(a damaged-spool case's update does count, until its file is damaged and the server restarted).
 After every case the fuzzer checks that the coordinator process is alive and answers Status,
 that the round number, theta's hash and the round's count of updates are unchanged, and that
 the reply was a well-formed gRPC status from the allowed set (an UNKNOWN or INTERNAL status is
@@ -58,6 +64,7 @@ The package, one concept a module (``bench/fuzz.py`` is the entry point and re-e
 * ``gen_push``: push cases (valid pushes mutated, resumed, cancelled, concurrent);
 * ``mutations_header``, ``mutations_manifest``, ``mutations_stream``: the push mutation ops;
 * ``gen_wire``: raw-byte and oversized cases;
+* ``gen_spool``: damaged-spool cases (a restart each);
 * ``runner``: ``Fuzzer`` (all of the above), ``run()`` and the command line.
 """
 

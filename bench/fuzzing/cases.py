@@ -29,7 +29,7 @@ def known_bug(case: Case) -> str | None:
 @dataclass
 class Case:
     kind: str
-    method: str  # Join, Heartbeat, Fetch, Leave, Status or Push
+    method: str  # Join, Heartbeat, Fetch, Leave, Status, Push or Restart (see gen_spool)
     request: object  # a message; for Push a list of messages; bytes (or a list) when raw
     raw: bool = False
     ops: list[str] = field(default_factory=list)  # what was done to a valid message
@@ -43,6 +43,7 @@ class Case:
     second: list | None = None  # ... while this second push runs to its end
     second_ops: list[str] = field(default_factory=list)
     held: tuple[str, int] | None = None  # (method, n) held open by another connection meanwhile
+    damage: tuple[str, int] | None = None  # Restart: how the spooled update is damaged
 
 
 @dataclass
@@ -113,5 +114,6 @@ def _serialized(case: Case) -> dict:
         "prelude": [enc(m) for m in case.prelude] if case.prelude is not None else None,
         "hold_after": case.hold_after,
         "second": [enc(m) for m in case.second] if case.second is not None else None,
+        "damage": case.damage,
         "messages": [enc(m) for m in msgs],
     }

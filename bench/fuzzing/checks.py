@@ -104,6 +104,8 @@ class CaseChecks:
     def _call_once(self, case: Case) -> tuple[str, str, object]:
         method = case.method
         try:
+            if method == "Restart":
+                return self.call_restart(case)
             if method == "Push":
                 call = self.raw_calls["Push"] if case.raw else self.stub.Push
                 reply = call(_requests(case.request, case.cancel_at), timeout=case.timeout)

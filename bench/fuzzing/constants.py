@@ -62,11 +62,11 @@ METHOD_PATH = "/isthmus.v1.Coordinator/"
 # Case kinds and their weights (out of 100).
 KINDS = {
     "join": 8,
-    "heartbeat": 7,
+    "heartbeat": 6,
     "fetch": 7,
     "leave": 5,
-    "status": 3,
-    "push_random": 6,
+    "status": 2,
+    "push_random": 5,
     "push_header": 10,
     "push_manifest": 12,
     "push_chunks": 12,
@@ -78,6 +78,7 @@ KINDS = {
     "wire": 7,
     "oversize": 1,
     "held": 2,
+    "spool": 1,  # a coordinator restart each: a few seconds
 }
 # What a "held" case holds open from another connection, never sending a request: unary calls
 # and streams of every kind, up to HELD_MAX at once, while an honest heartbeat is timed.

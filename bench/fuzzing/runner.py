@@ -23,12 +23,13 @@ from .checks import CaseChecks
 from .constants import KIND_LIST, KINDS
 from .gen_push import PushCases
 from .gen_rpc import RpcCases
+from .gen_spool import SpoolCases
 from .gen_wire import WireCases
 from .report import Report, print_report
 from .session import Session
 
 
-class Fuzzer(CaseChecks, RpcCases, PushCases, WireCases, Session):
+class Fuzzer(CaseChecks, RpcCases, PushCases, WireCases, SpoolCases, Session):
     """One coordinator process, the fuzzer's two sites, the cases and the checks after each."""
 
 

@@ -76,6 +76,16 @@ SCENARIOS: list[Scenario] = [
         JobSpec(ballast_mib=256),
         slow=False,
     ),
+    Scenario(
+        "coordinator killed, a spooled update damaged",
+        coord.kill_and_damage_a_spooled_update,
+        slow=False,
+    ),
+    Scenario(
+        "coordinator killed after publishing, an update of the close damaged",
+        coord.kill_after_publishing_and_damage,
+        JobSpec(ballast_mib=256),
+    ),
     Scenario("link cut 30s, lease survives", link.cut_link, JobSpec(lease_ttl_s=60.0)),
     Scenario(
         "link cut 30s, lease expires",

@@ -1,0 +1,140 @@
+"""The agent keeps a counted update and sends the very same bytes again when a restarted
+coordinator says it lost its copy (``RoundInfo.update_wanted``); an update for a round the
+coordinator has gone back before waits (the fakes of ``test_site_units_agent``, no network)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from test_site_units_agent import FakeClient, beat, residuals, submit, train_and_push, wait
+
+from site_client.agent import AgentConfig, SiteAgent
+from site_client.coordinator_client import CoordinatorError
+from wire.proto import isthmus_pb2 as pb
+
+
+class ResendClient(FakeClient):
+    """Records every payload's bytes; its heartbeat answers ``coordinator_round``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[bytes] = []
+        self.coordinator_round = 0
+
+    def push(self, round_number, payload, **kw):
+        self.sent.append(b"".join(bytes(d) for _, d in payload.chunks(0, 1 << 20)))
+        return super().push(round_number, payload, **kw)
+
+    def heartbeat(self, progress=None) -> pb.HeartbeatReply:
+        return pb.HeartbeatReply(round=self.info(self.coordinator_round, ""))
+
+
+@pytest.fixture
+def site(tmp_path):
+    client = ResendClient()
+    agent = SiteAgent(AgentConfig("site-0", tmp_path / "run", tmp_path / "shm"), client)
+    agent.joined(client.join())
+    beat(agent, client.info(0, ""))  # federated
+    agent.wan.fetch()
+    yield agent, client, tmp_path
+    agent.ipc.close()
+
+
+def wanted(info: pb.RoundInfo) -> pb.RoundInfo:
+    info.update_wanted = True
+    return info
+
+
+def test_a_counted_update_is_sent_again_byte_for_byte_when_asked(site) -> None:
+    agent, client, tmp = site
+    train_and_push(agent, tmp, (0, ""))
+    after_first = residuals(agent)
+    beat(agent, client.info(0, ""))  # the normal course: nothing to do
+    assert agent.wan.work() is None
+    beat(agent, wanted(client.info(0, "")))  # the coordinator restarted and lost its copy
+    assert agent.wan.work() == "resend"
+    agent.wan.resend()
+    assert [p["round"] for p in client.pushes] == [0, 0]
+    assert client.sent[0] == client.sent[1] and len(client.sent[0]) > 0
+    now = residuals(agent)  # sent again, not encoded again: the residuals stay
+    assert now.keys() == after_first.keys() and all(now[k].equal(after_first[k]) for k in now)
+    assert agent.wan.work() is None  # acted on: not sent a third time on the same reply
+    assert wait(agent) == {"ready": False}  # and the trainers are not asked to train it again
+
+
+def test_the_update_is_held_into_the_next_round_and_let_go_after(site) -> None:
+    agent, client, tmp = site
+    train_and_push(agent, tmp, (0, ""))
+    beat(agent, client.info(1, ""))  # theta_1 served: round 0 may still be taken back
+    beat(agent, wanted(client.info(0, "")))
+    assert agent.wan.work() == "resend"
+    beat(agent, client.info(2, ""))  # round 2 open: theta_1 is checkpointed for good
+    beat(agent, wanted(client.info(0, "")))
+    assert agent.wan.work() != "resend"
+    assert agent.state.book.delivered == {}
+
+
+def test_a_site_without_the_update_ignores_the_request(tmp_path) -> None:
+    client = ResendClient()
+    agent = SiteAgent(AgentConfig("site-0", tmp_path / "run", tmp_path / "shm"), client)
+    agent.joined(client.join())
+    beat(agent, wanted(client.info(0, "")))  # e.g. the agent restarted since it pushed
+    assert agent.wan.work() == "fetch"  # the ordinary path: train the round
+    agent.ipc.close()
+
+
+def test_after_the_coordinator_went_back_a_round_the_resend_goes_first_and_the_next_waits(
+    site,
+) -> None:
+    agent, client, tmp = site
+    train_and_push(agent, tmp, (0, ""))
+    beat(agent, client.info(1, ""))
+    agent.wan.fetch()
+    assert wait(agent)["round"] == 1
+    assert submit(agent, tmp, (1, ""))[0] == {"accepted": True}
+    # Restarted, the coordinator is at round 0 again and wants round 0's update back.
+    beat(agent, wanted(client.info(0, "")))
+    assert agent.wan.work() == "resend"
+    agent.wan.resend()
+    assert [p["round"] for p in client.pushes] == [0, 0]
+    assert agent.wan.work() is None  # round 1's update waits for round 1
+    beat(agent, client.info(1, ""))  # the same theta_1: no fetch
+    assert agent.wan.work() == "push"
+    agent.wan.push()
+    assert [p["round"] for p in client.pushes] == [0, 0, 1] and client.fetches == [0, 1]
+
+
+def test_an_update_refused_as_early_waits_and_is_sent_the_same_later(site) -> None:
+    agent, client, tmp = site
+    train_and_push(agent, tmp, (0, ""))
+    beat(agent, client.info(1, ""))
+    agent.wan.fetch()
+    wait(agent)
+    before = residuals(agent)
+    _, path = submit(agent, tmp, (1, ""))
+    client.push_error = CoordinatorError(grpc.StatusCode.FAILED_PRECONDITION, "round 1 is not open")
+    client.coordinator_round = 0  # it went back before this site heard
+    agent.wan.push()
+    assert path.exists() and agent.state.book.next_upload().task == (1, "")
+    now = residuals(agent)
+    assert all(now[k].equal(before[k]) for k in now)  # given back: encoded again later
+    assert agent.state.info.round == 0 and agent.wan.work() is None
+    client.push_error = None
+    beat(agent, client.info(1, ""))
+    agent.wan.push()
+    assert client.sent[-1] == client.sent[-2] and not path.exists()
+    assert agent.state.book.next_upload() is None
+
+
+def test_a_changed_theta_of_the_same_version_is_fetched_again_whole(site) -> None:
+    agent, client, tmp = site
+    train_and_push(agent, tmp, (0, ""))
+    beat(agent, client.info(1, ""))
+    agent.wan.fetch()
+    first = agent.state.ready.theta_path
+    client.theta_hash = bytes(32)  # round 0 had to close again, differently
+    beat(agent, client.info(1, ""))
+    assert agent.wan.work() == "fetch"
+    agent.wan.fetch()
+    assert client.fetches == [0, 1, 1] and agent.state.ready.theta_path != first
+    assert agent.state.ready.theta_hash == bytes(32).hex() and agent.wan.work() is None
