@@ -47,7 +47,8 @@ from strategies import RobustAggregator, load_strategy
 
 log = logging.getLogger("isthmus.coordinator")
 WAIT_ROUND_CAP_S = 60.0
-INFO_FIELDS = ("round", "version", "finished", "participant", "data_unit")
+INFO_FIELDS = ("round", "version", "finished", "participant", "data_unit", "update_wanted")
+INFO_DEFAULTS = {"update_wanted": False}  # an older agent's RoundInfo does not carry it
 
 
 class CoordinatorCore:
@@ -262,7 +263,10 @@ class CoordinatorCore:
             s.changed()  # an older call of this site ends now
             while True:
                 info = self.round_info(site)
-                changed = known is None or any(info.get(k, "") != known.get(k) for k in INFO_FIELDS)
+                changed = known is None or any(
+                    info.get(k, INFO_DEFAULTS.get(k, "")) != known.get(k, INFO_DEFAULTS.get(k))
+                    for k in INFO_FIELDS
+                )
                 superseded = s.watchers.get(site) != call
                 if changed or superseded or s.fatal or self._stopping:
                     break

@@ -33,19 +33,20 @@ def disk_refusal(exc: OSError, what: str) -> Refused:
 def until_written(
     write: Callable[[], object], what: str, stopping: threading.Event, cap_s: float = 30.0
 ):
-    """Run ``write`` until it does not fail with an ``OSError``, waiting longer each time.
+    """Run ``write`` until it does not fail for want of space, waiting longer each time.
 
     For what the coordinator itself must make durable (a round's record, its close, a
     checkpoint): the job cannot go on without it, and stopping would lose nothing that a
     retry after the disk has space again does not keep. Each write leaves nothing half-done
-    behind (temporary files, renamed into place), so a retry starts clean. Raises the last
-    error once ``stopping`` is set."""
+    behind (temporary files, renamed into place), so a retry starts clean. Any other error
+    (a folder removed, permissions) is raised at once: waiting would not mend it. Raises the
+    last error once ``stopping`` is set."""
     delay = 0.5
     while True:
         try:
             return write()
         except OSError as exc:
-            if stopping.is_set():
+            if stopping.is_set() or exc.errno not in DISK_FULL:
                 raise
             log.error("%s failed (%s); retrying in %.1fs", what, exc, delay)
         if stopping.wait(delay):

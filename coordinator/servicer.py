@@ -173,6 +173,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 "finished": k.finished,
                 "participant": k.participant,
                 "data_unit": k.data_unit,
+                "update_wanted": k.update_wanted,
             }
         info, cancels = self.core.wait_round(
             request.lease.site, request.lease.token, known, request.timeout_s
