@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from coordinator.accumulate import StreamingMean
+from coordinator.evaluation import Evaluation
 from coordinator.records import ClosedRound, Published, UpdateKey
 from coordinator.rounds import RoundState
 from coordinator.spool import SpooledUpdate
@@ -37,6 +38,8 @@ class CoordinatorState:
         meanwhile.
     last_closed
         The round closed last (late updates are judged against it).
+    evaluation
+        The newest server-side evaluation of theta (``[evaluation]``), for status.
     """
 
     round: RoundState
@@ -56,6 +59,7 @@ class CoordinatorState:
     bytes_out: int = 0
     rejections: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     watchers: dict[str, int] = field(default_factory=dict)  # WaitRound call count per site
+    evaluation: Evaluation | None = None
 
     @property
     def finished(self) -> bool:
