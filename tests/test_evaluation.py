@@ -419,3 +419,18 @@ def test_a_broken_hook_stops_the_job_naming_it_and_the_job_resumes_once_fixed(tm
     assert all(run.error is None for run in runs), [run.error for run in runs]
     assert runs[0].final.theta_hash == clean[0].final.theta_hash  # as if no hook had failed
     assert 4 in [e["version"] for e in _events(folder / "state", "evaluation")]
+
+
+def test_the_demo_evaluates_theta_at_the_coordinator_as_its_sites_do(tmp_path):
+    from coordinator.config import load_config
+    from coordinator.model_source import build_module
+    from examples.gpt_diloco import train
+    from examples.gpt_diloco.data import CorpusConfig, evaluate, load_corpus
+
+    cfg = load_config(h.REPO / "examples" / "gpt_diloco" / "job.toml")
+    hook = load_hook(cfg.evaluation.fn)
+    model = build_module(cfg.model)
+    args = train.parse_args(["--site-index", "0", "--num-sites", "1"])
+    corpus = load_corpus(CorpusConfig(max_bytes=args.corpus_bytes, seq_len=model.config.seq_len))
+    want = evaluate(model, corpus, args.eval_batches, args.batch_size)
+    assert hook(model, 0) == {"val_loss": want}
