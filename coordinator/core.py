@@ -27,7 +27,7 @@ from coordinator.config import JobConfig
 from coordinator.counting import UpdateCounter
 from coordinator.disk import until_written
 from coordinator.downlink import Downlink
-from coordinator.evaluation import Evaluation, describe
+from coordinator.evaluation import Evaluation, describe, load_hook
 from coordinator.evaluator import Evaluator, Reports
 from coordinator.events import EventLog, EventSink
 from coordinator.intake import UpdateIntake
@@ -54,6 +54,8 @@ INFO_FIELDS = ("round", "version", "finished", "participant", "data_unit")
 class CoordinatorCore:
     def __init__(self, cfg: JobConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg, self.clock = cfg, clock
+        if cfg.evaluation is not None:  # a hook that cannot load is refused before any state
+            load_hook(cfg.evaluation.fn)
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
         self.store = CheckpointStore(cfg.state_dir)

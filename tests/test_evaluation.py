@@ -366,6 +366,15 @@ def test_a_slow_hook_never_holds_up_the_rounds(tmp_path, monkeypatch):
     assert closed < min(e["wall"] for e in _events(state, "evaluation"))
 
 
+@pytest.mark.e2e
+def test_a_hook_that_cannot_load_stops_serve_before_any_state(tmp_path):
+    cfg = h.job_config(evaluation={"fn": "eval_hooks:missing"})
+    with pytest.raises(RuntimeError, match="exited with 2 before listening") as info:
+        h.start_coordinator(tmp_path, cfg)
+    assert "coordinator: error: evaluation.fn: cannot load 'eval_hooks:missing'" in str(info.value)
+    assert not (tmp_path / "state" / "checkpoints").exists()
+
+
 def _run_job(folder: Path, cfg: dict) -> tuple[h.CoordinatorProcess, list]:
     coord = h.start_coordinator(folder, cfg)
     try:
