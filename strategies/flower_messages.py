@@ -57,12 +57,18 @@ def import_serverapp() -> types.SimpleNamespace:
     return types.SimpleNamespace(app=app, strategies=strategies, Grid=Grid)
 
 
-def node_ids(keys: Iterable[str]) -> dict[str, int]:
-    """A Flower node id for each update key: 63 bits of its SHA-256, stable across rounds and
-    restarts (a strategy may keep state per node)."""
-    out = {k: int.from_bytes(hashlib.sha256(k.encode()).digest()[:8], "big") >> 1 for k in keys}
+def node_ids(updates: Iterable[tuple[str, str]]) -> dict[str, int]:
+    """A Flower node id for each ``(update key, site)``: 63 bits of the SHA-256 of the site's
+    name, the same in every round and after restarts (a strategy may keep state per node). A
+    site's second update in a round (two data units, shared-data mode) is named by its key."""
+    out: dict[str, int] = {}
+    seen: set[str] = set()
+    for key, site in updates:
+        name = key if site in seen else site
+        seen.add(site)
+        out[key] = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") >> 1
     if len(set(out.values())) != len(out):
-        raise StrategyError(f"two update keys map to one Flower node id: {sorted(out)}")
+        raise StrategyError(f"two updates map to one Flower node id: {sorted(out)}")
     return out
 
 

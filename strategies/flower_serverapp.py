@@ -146,7 +146,7 @@ class FlowerMessageStrategy(Strategy):
     def _one_round(self, aggregate: Aggregate, base: Tensors, names: list[str]):
         server_round = aggregate.round + 1
         updates = aggregate.updates
-        nodes = node_ids(u.key for u in updates)
+        nodes = node_ids((u.key, u.site) for u in updates)
         for attr in PER_ROUND & vars(self.flower).keys():
             setattr(self.flower, attr, None)  # given again by configure_train, from theta_r
         plan = self.flower.configure_train(
@@ -206,7 +206,7 @@ def _trial_plan(name: str, trial: Any) -> None:
     f = import_serverapp()
     probe = {"probe": np.zeros(1, dtype=np.float32)}
     record = f.app.ArrayRecord({k: f.app.Array(v) for k, v in probe.items()})
-    nodes = sorted(node_ids(f"trial-{i}" for i in range(3)).values())
+    nodes = sorted(node_ids((f"trial-{i}", f"trial-{i}") for i in range(3)).values())
     try:
         with _quiet("flwr"):  # its "Sampled 3 nodes" is about the trial, not the job
             plan = list(trial.configure_train(1, record, f.app.ConfigRecord(), site_grid(nodes)))

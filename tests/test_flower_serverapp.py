@@ -397,6 +397,28 @@ def test_what_cannot_map_is_refused_at_start_saying_why(name, params, message):
         load_strategy(name, params)
 
 
+def test_node_ids_follow_the_site_across_rounds_and_units():
+    from strategies.flower_messages import node_ids
+
+    a = node_ids([("site-a", "site-a"), ("site-b", "site-b")])
+    b = node_ids([("site-a@u3", "site-a"), ("site-a@u7", "site-a"), ("site-c@u1", "site-c")])
+    assert a["site-a"] == b["site-a@u3"] and len(set(a.values()) | set(b.values())) == 4
+
+
+def test_missing_flwr_is_a_clear_error(monkeypatch):
+    import sys
+
+    from strategies.flower_messages import import_serverapp
+
+    monkeypatch.setitem(sys.modules, "flwr.serverapp.strategy", None)
+    import_serverapp.cache_clear()
+    try:
+        with pytest.raises(StrategyError, match=re.escape("need flwr 1.42: pip install")):
+            load_strategy("flower:serverapp.FedAvg", {})
+    finally:
+        import_serverapp.cache_clear()
+
+
 def test_legacy_spellings_stay_the_legacy_adapter():
     from strategies.flower import FlowerStrategy
     from strategies.flower_serverapp import FlowerMessageStrategy
