@@ -277,7 +277,12 @@ def test_a_failing_hook_makes_the_job_fatal_naming_it(tmp_path):
         tokens = {s: core.join(s)[0].token for s in ("site-a", "site-b")}
         heartbeat_all(core, clock, tokens, 1.0)
         _close_a_round(core, clock, 0, tokens)
-        _close_a_round(core, clock, 1, tokens)
+        for site, token in tokens.items():
+            push(core, site, token, 1, delta_like(core, 0.2))
+        while not core.tick():  # until round 1 closes: theta_2 goes to the failing hook
+            clock.now += 1.0
+            for site, token in tokens.items():
+                core.heartbeat(site, token, None)
         assert core.evaluator.wait_idle(20)
         with pytest.raises(
             FatalError, match=re.escape("evaluation 'eval_hooks:broken' failed on theta_2")
