@@ -107,11 +107,13 @@ class Evaluator:
                 outcome = self._evaluate(version, theta)
             except EvaluationError as exc:
                 with self._cond:
-                    stopped, self._stopped, self._busy = self._stopped, True, False
+                    stopped = self._stopped
+                if not stopped:  # reported while still busy: the job cannot end meanwhile
+                    self.reports.failed(version, str(exc))
+                with self._cond:
+                    self._stopped, self._busy = True, False
                     self._queue.clear()
                     self._cond.notify_all()
-                if not stopped:
-                    self.reports.failed(version, str(exc))
                 return
             del theta
             with self._cond:

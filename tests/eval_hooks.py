@@ -11,6 +11,7 @@ import torch
 
 CALLS: list[tuple[int, dict[str, torch.Tensor], str]] = []  # in-process tests read these
 GATE = threading.Event()
+STARTED = threading.Event()  # set once ``gated`` is running
 
 
 def weight_norm(model: torch.nn.Module, round: int) -> dict[str, float]:
@@ -40,6 +41,7 @@ def recording(model: torch.nn.Module, round: int) -> dict[str, float]:
 def gated(model: torch.nn.Module, round: int) -> dict[str, float]:
     """Waits for the gate (``GATE`` in-process, the file ``$ISTHMUS_TEST_GATE`` across
     processes), at most 60 s, then answers like ``weight_norm``."""
+    STARTED.set()
     gate = os.environ.get("ISTHMUS_TEST_GATE")
     deadline = time.monotonic() + 60
     while not (GATE.is_set() or (gate and Path(gate).exists())):

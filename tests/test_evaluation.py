@@ -168,10 +168,13 @@ def test_the_hook_runs_on_its_own_thread_with_theta_in_a_module_of_its_own():
 
 def test_submit_returns_at_once_while_a_slow_hook_runs_and_the_oldest_waiting_is_skipped():
     eval_hooks.GATE.clear()
+    eval_hooks.STARTED.clear()
     out = Collected()
     ev = Evaluator(EvaluationConfig("eval_hooks:gated"), TINY, 10, out.reports)
+    ev.submit(0, _theta(0))
+    assert eval_hooks.STARTED.wait(10)  # theta_0's evaluation runs, and waits for the gate
     started = time.monotonic()
-    for v in range(1 + MAX_PENDING + 1):  # one running, MAX_PENDING waiting, one too many
+    for v in range(1, 1 + MAX_PENDING + 1):  # MAX_PENDING waiting, and one too many
         ev.submit(v, _theta(v))
     assert time.monotonic() - started < 1.0
     assert not ev.idle() and out.done == []
