@@ -8,6 +8,7 @@ strategy's. ``downlink`` makes theta_{r+1} exactly what sites will rebuild from 
 delta. ``publish`` hashes theta_{r+1} once, swaps it in and wakes every waiting site. The
 ``checkpoint`` is written in the background; the round's spool goes once it is durable, and
 the event log's live file moves to a segment if it has grown past ``events.rotate_bytes``.
+Then theta_{r+1} goes to the ``[evaluation]`` hook, which runs on a thread of its own.
 
 A failure in any step before ``publish`` stops the job with the checkpoint of round r (and the
 close record) unchanged: a restart recomputes the same theta_{r+1}.
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from coordinator.checkpointing import CheckpointWriter
 from coordinator.disk import until_written
 from coordinator.downlink import Downlink
+from coordinator.evaluator import Evaluator
 from coordinator.events import EventLog, EventLogError, EventSink
 from coordinator.membership import Membership
 from coordinator.publish import hash_theta, publication
@@ -66,6 +68,7 @@ class CloseParts:
     sink: EventSink
     events: EventLog
     stopping: threading.Event  # gives up waiting for disk space (``coordinator.disk``)
+    evaluator: Evaluator | None = None  # ``[evaluation]``: given theta_{r+1} once published
 
 
 class ClosePipeline:
@@ -102,6 +105,8 @@ class ClosePipeline:
         self._note(r, outcome)
         theta_hash, meta = self.publish(order, nxt, outcome, clock)
         self.checkpoint(order, nxt, theta_hash, strategy_state, meta)
+        if self.p.evaluator is not None:  # on its own thread: returns at once
+            self.p.evaluator.submit(r + 1, nxt.tensors)
         log.info(
             "round %d closed (%s): %d update(s), published theta_%d %s in %.2fs",
             r,

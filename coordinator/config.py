@@ -8,8 +8,9 @@ Each table is a dataclass owned by the code it configures, where its defaults an
 written once (read by ``wire.config_table.load_table``): ``[model]`` in
 ``coordinator.model_source``, ``[aggregation]`` in ``strategies.robust``, ``[rounds]`` in
 ``coordinator.rounds``, ``[timeouts]`` in ``coordinator.failure_detector``, ``[speculation]`` in
-``coordinator.speculation``, ``[compression]`` in ``wire.codecs.rules`` and ``[events]`` in
-``coordinator.event_history``. The rest are here, with the rules that span tables.
+``coordinator.speculation``, ``[compression]`` in ``wire.codecs.rules``, ``[events]`` in
+``coordinator.event_history`` and ``[evaluation]`` in ``coordinator.evaluation``. The rest are
+here, with the rules that span tables.
 
 Example::
 
@@ -55,6 +56,10 @@ Example::
     [events]                 # optional: the event log's live file goes to a gzip segment
     rotate_bytes = 67108864  # once it reaches 64 MiB (0: never)
     keep_segments = 8        # and the newest 8 segments are kept
+
+    [evaluation]             # optional: fn(model, round) on the global model, off the round
+    fn = "examples.gpt_diloco.evaluate:val_loss"
+    every_rounds = 1         # theta_0, every N-th version and the last one
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.evaluation import EvaluationConfig, needs_factory
 from coordinator.event_history import EventsConfig
 from coordinator.failure_detector import TimeoutsConfig
 from coordinator.model_source import ModelConfig
@@ -87,6 +93,7 @@ __all__ = [
     "AggregationConfig",
     "ConfigError",
     "DataConfig",
+    "EvaluationConfig",
     "EventsConfig",
     "JobConfig",
     "ModelConfig",
@@ -110,6 +117,7 @@ SECTIONS = (
     "speculation",
     "server",
     "events",
+    "evaluation",
 )
 DATA_MODES = ("federated", "shared")
 
@@ -176,6 +184,8 @@ class JobConfig:
     # None: each round's theta is fetched whole. Set: as an encoded delta from the last one.
     downlink: CompressionConfig | None = None
     events: EventsConfig = field(default_factory=EventsConfig)
+    # None: no server-side evaluation of the global model.
+    evaluation: EvaluationConfig | None = None
 
 
 def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> JobConfig:
@@ -210,6 +220,10 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
     speculation = speculation_from_table(data.get("speculation", {}), data_cfg)
     server = load_table(ServerConfig, data.get("server", {}), "server")
     events = load_table(EventsConfig, data.get("events", {}), "events")
+    evaluation = None
+    if "evaluation" in data:
+        evaluation = load_table(EvaluationConfig, data["evaluation"], "evaluation")
+        needs_factory(evaluation, model.factory)
     unknown = sorted(set(data) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key")
@@ -228,6 +242,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         speculation,
         downlink,
         events,
+        evaluation,
     )
 
 

@@ -27,6 +27,8 @@ from coordinator.config import JobConfig
 from coordinator.counting import UpdateCounter
 from coordinator.disk import until_written
 from coordinator.downlink import Downlink
+from coordinator.evaluation import Evaluation, describe, load_hook
+from coordinator.evaluator import Evaluator, Reports
 from coordinator.events import EventLog, EventSink
 from coordinator.intake import UpdateIntake
 from coordinator.membership import Membership
@@ -54,6 +56,8 @@ INFO_DEFAULTS = {"update_wanted": False}  # an older agent's RoundInfo does not 
 class CoordinatorCore:
     def __init__(self, cfg: JobConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg, self.clock = cfg, clock
+        if cfg.evaluation is not None:  # a hook that cannot load is refused before any state
+            load_hook(cfg.evaluation.fn)
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
         self.store = CheckpointStore(cfg.state_dir)
@@ -98,6 +102,7 @@ class CoordinatorCore:
             self.uploads,
             self.sink.post,
         )
+        self.evaluator = self._start_evaluator()
         self.pipeline = ClosePipeline(self._close_parts())
         recovery.resume(self)
         self.sink.flush()
@@ -121,7 +126,42 @@ class CoordinatorCore:
             self.sink,
             self.events,
             self.stopping,
+            self.evaluator,
         )
+
+    def _start_evaluator(self) -> Evaluator | None:
+        """The ``[evaluation]`` hook's thread, given theta as it resumes (evaluated if due: an
+        evaluation cut short by a restart is done again)."""
+        cfg = self.cfg.evaluation
+        if cfg is None:
+            return None
+        reports = Reports(self._evaluated, self._evaluation_failed, self._evaluation_skipped)
+        evaluator = Evaluator(cfg, self.cfg.model, self.cfg.rounds.total, reports)
+        evaluator.submit(self.state.published.version, self.state.theta.tensors)
+        return evaluator
+
+    def _evaluated(self, ev: Evaluation) -> None:
+        log.info("evaluation of theta_%d: %s (%.2fs)", ev.version, describe(ev), ev.seconds)
+        with self._locked() as s:
+            s.evaluation = ev
+            self.sink.post("evaluation", version=ev.version, metrics=ev.metrics, seconds=ev.seconds)
+
+    def _evaluation_failed(self, version: int, message: str) -> None:
+        log.error("%s", message)
+        with self._locked() as s:
+            self.sink.post("evaluation_failed", version=version, error=message)
+            if s.fatal is None:
+                s.fatal = f"{message}; the job stops (theta and its checkpoints are unchanged)"
+            s.changed()
+
+    def _evaluation_skipped(self, version: int, why: str) -> None:
+        log.warning("evaluation of theta_%d skipped: %s", version, why)
+        with self._locked():
+            self.sink.post("evaluation_skipped", version=version, reason=why)
+
+    def evaluations_done(self) -> bool:
+        """No evaluation waiting or running (the job may end)."""
+        return self.evaluator is None or self.evaluator.idle()
 
     @contextlib.contextmanager
     def _locked(self):
@@ -155,6 +195,8 @@ class CoordinatorCore:
     def close(self) -> None:
         """Stop: wake every waiting call, finish the checkpoint being written."""
         self.wake_all()
+        if self.evaluator is not None:
+            self.evaluator.close()
         self.writer.close()
         self._folder.shutdown(wait=True)
         self.events.close()

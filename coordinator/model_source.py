@@ -49,6 +49,14 @@ def initial_theta(cfg: ModelConfig) -> dict[str, torch.Tensor]:
             return dict(load_file(str(cfg.path)))
         except Exception as exc:
             raise ConfigError(f"model.path: {cfg.path} is not a safetensors file: {exc}") from exc
+    model = build_module(cfg)
+    # No copy: the module goes once the caller has laid theta out in its buffer.
+    return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+
+
+def build_module(cfg: ModelConfig) -> torch.nn.Module:
+    """``factory(**kwargs)`` after seeding torch's global generator with ``seed``; errors are
+    ``ConfigError``s naming the key."""
     module_name, _, attr = (cfg.factory or "").partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
@@ -67,8 +75,7 @@ def initial_theta(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         raise ConfigError(
             f"model.factory: {cfg.factory} returned {type(model).__name__}, not a torch.nn.Module"
         )
-    # No copy: the module goes once the caller has laid theta out in its buffer.
-    return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    return model
 
 
 def trainable_names(theta: dict[str, torch.Tensor]) -> list[str]:

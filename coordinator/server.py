@@ -120,7 +120,7 @@ class CoordinatorServer:
                     break
                 if self.core.finished:
                     finished_at = finished_at or time.monotonic()
-                    if self._sites_gone(finished_at):
+                    if self.core.evaluations_done() and self._sites_gone(finished_at):
                         log.info("job %r finished; all sites have left", self.cfg.name)
                         break
         finally:

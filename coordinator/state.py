@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from coordinator.accumulate import StreamingMean
+from coordinator.evaluation import Evaluation
 from coordinator.records import ClosedRound, PinnedClose, Published, UpdateKey
 from coordinator.rounds import RoundState
 from coordinator.spool import SpooledUpdate
@@ -42,6 +43,8 @@ class CoordinatorState:
         Set at start-up: updates of the open round whose spooled copy was damaged (their
         sites are asked to send them again), and the recorded close the round must repeat
         when its record named one of them (``coordinator.recovery``).
+    evaluation
+        The newest server-side evaluation of theta (``[evaluation]``), for status.
     """
 
     round: RoundState
@@ -63,6 +66,7 @@ class CoordinatorState:
     bytes_out: int = 0
     rejections: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     watchers: dict[str, int] = field(default_factory=dict)  # WaitRound call count per site
+    evaluation: Evaluation | None = None
 
     @property
     def finished(self) -> bool:

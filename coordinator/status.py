@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.evaluation import Evaluation, describe
 from wire.proto import isthmus_pb2 as pb
 
 
@@ -28,6 +29,7 @@ class StatusSnapshot:
     units_committed: tuple[str, ...]
     units_pending: tuple[str, ...]
     waiting_reason: str
+    evaluation: Evaluation | None = None
 
 
 def snapshot_of(core, now: float) -> StatusSnapshot:
@@ -58,6 +60,7 @@ def snapshot_of(core, now: float) -> StatusSnapshot:
         units_committed=committed,
         units_pending=pending,
         waiting_reason=core.waiting_reason(),
+        evaluation=s.evaluation,
     )
 
 
@@ -88,6 +91,7 @@ def _site_status(core, name: str, now: float) -> pb.SiteStatus:
 
 
 def status_reply(snap: StatusSnapshot) -> pb.StatusReply:
+    ev = snap.evaluation
     return pb.StatusReply(
         job_name=snap.job_name,
         round=pb.RoundInfo(**snap.round_info),
@@ -104,6 +108,11 @@ def status_reply(snap: StatusSnapshot) -> pb.StatusReply:
         units_committed=list(snap.units_committed),
         units_pending=list(snap.units_pending),
         waiting_reason=snap.waiting_reason,
+        evaluation=(
+            pb.Evaluation(version=ev.version, metrics=ev.metrics, seconds=ev.seconds)
+            if ev is not None
+            else None
+        ),
     )
 
 
@@ -129,6 +138,9 @@ def format_status(s: pb.StatusReply) -> str:
             f"data units committed this round: {', '.join(s.units_committed) or '-'}; "
             f"waiting for a later round: {', '.join(s.units_pending) or '-'}"
         )
+    if s.HasField("evaluation"):
+        ev = Evaluation(s.evaluation.version, dict(s.evaluation.metrics), s.evaluation.seconds)
+        lines.append(f"evaluation of theta_{ev.version}: {describe(ev)} ({ev.seconds:.1f}s)")
     if s.rejections:
         lines.append(f"rejected updates ({len(s.rejections)} most recent):")
         lines += [f"  {x}" for x in s.rejections]

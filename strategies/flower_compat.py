@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -49,13 +50,22 @@ def import_flower():
     return common, strategies
 
 
-def check_kwargs(name: str, cls: type, params: dict[str, Any]) -> dict[str, Any]:
+def check_kwargs(
+    name: str,
+    cls: type,
+    params: dict[str, Any],
+    refused: Mapping[str, str] = NOT_FROM_CONFIG,
+    filled: frozenset[str] = frozenset({"initial_parameters"}),
+) -> dict[str, Any]:
+    """The [strategy] table's keys as keyword arguments of ``cls``: every key a parameter
+    (unless ``cls`` takes ``**kwargs``) of a type TOML can give, none of ``refused`` (which say
+    what to use instead), and every required parameter given but those the adapter ``filled``."""
     sig = inspect.signature(cls.__init__)
     takes_extra = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     kwargs = {}
     for key, value in params.items():
-        if key in NOT_FROM_CONFIG:
-            raise StrategyError(f"strategy.{key}: not used with {name!r}: {NOT_FROM_CONFIG[key]}")
+        if key in refused:
+            raise StrategyError(f"strategy.{key}: not used with {name!r}: {refused[key]}")
         p = sig.parameters.get(key)
         if p is not None and takes_object(p):
             raise StrategyError(
@@ -69,7 +79,7 @@ def check_kwargs(name: str, cls: type, params: dict[str, Any]) -> dict[str, Any]
             known = sorted(
                 k
                 for k, q in sig.parameters.items()
-                if k != "self" and k not in NOT_FROM_CONFIG and not takes_object(q)
+                if k != "self" and k not in refused and not takes_object(q)
             )
             raise StrategyError(f"strategy.{key}: not a parameter of {name!r} (known: {known})")
         want = p.annotation
@@ -83,7 +93,7 @@ def check_kwargs(name: str, cls: type, params: dict[str, Any]) -> dict[str, Any]
         kwargs[key] = value
     for key, p in sig.parameters.items():
         named = p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and key != "self"
-        if named and p.default is p.empty and key not in kwargs and key != "initial_parameters":
+        if named and p.default is p.empty and key not in kwargs and key not in filled:
             raise StrategyError(
                 f"strategy {name!r} cannot run from a job config: it requires {key!r} "
                 f"({p.annotation})"

@@ -1,10 +1,12 @@
 """Building a strategy from the job config's ``[strategy]`` table.
 
 ``name`` is a built-in (``fedavg``, ``fedavgm``, ``fedadam``, ``fedyogi``, ``fedadagrad``,
-``diloco``), ``flower:ClassName`` for a strategy of ``flwr.server.strategy`` (its other keys are
-the Flower constructor's arguments), or ``package.module:ClassName`` for a strategy in the
-user's own code; every other key must be a field of that strategy's ``Config`` dataclass.
-Every error names the plugin, and the key or the hook at fault.
+``diloco``), ``flower:ClassName`` (or ``flower:server.ClassName``) for a strategy of Flower's
+legacy API ``flwr.server.strategy``, ``flower:serverapp.ClassName`` for one of its Message API
+``flwr.serverapp.strategy`` (for both, the other keys are the Flower constructor's arguments),
+or ``package.module:ClassName`` for a strategy in the user's own code: an isthmus
+``Strategy``, whose ``Config`` dataclass must have a field for every other key, or a Flower
+Message-API strategy. Every error names the plugin, and the key or the hook at fault.
 """
 
 from __future__ import annotations
@@ -30,15 +32,26 @@ BUILTINS: dict[str, type[Strategy]] = {
     "diloco": DiLoCo,
 }
 FLOWER_PREFIX = "flower:"
+LEGACY_PREFIX = "flower:server."
+SERVERAPP_PREFIX = "flower:serverapp."
 
 
 def resolve_strategy_class(name: str) -> type[Strategy]:
+    cls = _named_class(name)
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        attr = name.partition(":")[2]
+        raise StrategyError(f"strategy {name!r}: {attr!r} is not a Strategy subclass")
+    return cls
+
+
+def _named_class(name: str) -> Any:
+    """The built-in, or whatever ``package.module:Class`` names (checked by the caller)."""
     if name in BUILTINS:
         return BUILTINS[name]
     if ":" not in name:
         raise StrategyError(
-            f"unknown strategy {name!r}: use one of {sorted(BUILTINS)}, 'flower:ClassName' "
-            "or 'package.module:Class'"
+            f"unknown strategy {name!r}: use one of {sorted(BUILTINS)}, 'flower:ClassName', "
+            "'flower:serverapp.ClassName' or 'package.module:Class'"
         )
     module_name, _, attr = name.partition(":")
     try:
@@ -47,18 +60,26 @@ def resolve_strategy_class(name: str) -> type[Strategy]:
         raise StrategyError(
             f"strategy {name!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}"
         ) from exc
-    cls = getattr(module, attr, None)
-    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
-        raise StrategyError(f"strategy {name!r}: {attr!r} is not a Strategy subclass")
-    return cls
+    return getattr(module, attr, None)
 
 
 def load_strategy(name: str, params: Mapping[str, Any]) -> Strategy:
     """Instantiate strategy ``name`` with hyperparameters ``params``; errors name the key."""
+    if name.startswith(SERVERAPP_PREFIX):
+        from strategies.flower_serverapp import load_serverapp_strategy  # imports flwr
+
+        return load_serverapp_strategy(name, dict(params))
     if name.startswith(FLOWER_PREFIX):
         from strategies.flower import load_flower_strategy  # imports flwr: only when named
 
-        return load_flower_strategy(name, dict(params))
+        short = name.removeprefix(LEGACY_PREFIX).removeprefix(FLOWER_PREFIX)
+        return load_flower_strategy(FLOWER_PREFIX + short, dict(params))
+    if name not in BUILTINS:
+        from strategies.flower_serverapp import is_message_strategy, load_serverapp_strategy
+
+        named = _named_class(name)
+        if is_message_strategy(named):  # the user's own Flower Message-API strategy
+            return load_serverapp_strategy(name, dict(params), named)
     cls = resolve_strategy_class(name)
     config_cls = getattr(cls, "Config", None)
     if config_cls is None or not dataclasses.is_dataclass(config_cls):

@@ -1,9 +1,11 @@
 """The demo: one coordinator and three local "datacenters" of two FSDP2 trainers each.
 
 ``python -m examples.gpt_diloco.launch`` (what ``make demo`` runs) starts every process on
-this machine over loopback, shows progress while the job runs, and ends with the final
-validation loss, the bytes that crossed the "WAN", and whether every site's theta hash matched
-the coordinator's. Logs and state land in ``runs/gpt_diloco/``.
+this machine over loopback, shows progress while the job runs, and ends with the validation
+loss of each round's global model (as the sites measured it, and as the coordinator's
+``[evaluation]`` hook did), the final validation loss, the bytes that crossed the "WAN", and
+whether every site's theta hash matched the coordinator's. Logs and state land in
+``runs/gpt_diloco/``.
 """
 
 from __future__ import annotations
@@ -54,14 +56,18 @@ class StatusWatcher:
             s = self.stub.Status(pb.StatusRequest(), timeout=2)
         except Exception:  # not up yet, or already gone: nothing to show
             return
-        key = (s.round.round, s.round.finished)
+        key = (s.round.round, s.round.finished, s.evaluation.version, len(s.evaluation.metrics))
         if key != self.last:
             self.last = key
             state = "finished" if s.round.finished else f"open, {s.waiting_reason}"
+            evaluated = ""
+            if "val_loss" in s.evaluation.metrics:
+                val = s.evaluation.metrics["val_loss"]
+                evaluated = f"; val loss of theta_{s.evaluation.version} {val:.4f}"
             print(
                 f"[{elapsed:6.1f}s] coordinator round {s.round.round}/{s.round.total_rounds} "
                 f"{state}; WAN in {s.wan_bytes_in / 1e6:.1f} MB out "
-                f"{s.wan_bytes_out / 1e6:.1f} MB",
+                f"{s.wan_bytes_out / 1e6:.1f} MB{evaluated}",
                 flush=True,
             )
 
@@ -178,7 +184,9 @@ def main(argv=None) -> int:
     return summarize(run, sites, time.monotonic() - started)
 
 
-def plot_losses(run: Path, by_round: dict[int, dict]) -> Path | None:
+def plot_losses(
+    run: Path, by_round: dict[int, dict], at_coordinator: dict[int, float]
+) -> Path | None:
     """Loss per round as a PNG (skipped when matplotlib is not installed)."""
     try:
         import matplotlib
@@ -193,6 +201,9 @@ def plot_losses(run: Path, by_round: dict[int, dict]) -> Path | None:
     val = [(r, by_round[r]["val"][0]) for r in rounds if by_round[r]["val"]]
     ax.plot(*zip(*train, strict=True), "o-", label="train loss (mean over sites, during round)")
     ax.plot(*zip(*val, strict=True), "s-", label="validation loss of global theta_r")
+    if at_coordinator:
+        coord = sorted(at_coordinator.items())
+        ax.plot(*zip(*coord, strict=True), "x", label="... at the coordinator ([evaluation])")
     ax.set_xlabel("outer round r")
     ax.set_ylabel("cross-entropy (nats/byte)")
     ax.set_title("isthmus demo: DiLoCo across 3 sites x 2 FSDP2 trainers")
@@ -205,8 +216,23 @@ def plot_losses(run: Path, by_round: dict[int, dict]) -> Path | None:
     return path
 
 
+def coordinator_val_losses(state_dir: Path) -> dict[int, float]:
+    """The coordinator's ``[evaluation]`` results from its event log: val loss by version."""
+    from coordinator.events import read_history
+
+    path = state_dir / "events.jsonl"
+    if not path.exists():
+        return {}
+    return {
+        e["version"]: e["metrics"]["val_loss"]
+        for e in read_history(path).events
+        if e["kind"] == "evaluation" and "val_loss" in e.get("metrics", {})
+    }
+
+
 def summarize(run: Path, sites: list[str], elapsed: float) -> int:
     records = read_metrics(run, sites)
+    at_coordinator = coordinator_val_losses(run / "coordinator")
     coord_dir = run / "coordinator" / "checkpoints"
     latest = (coord_dir / "LATEST").read_text().strip()
     coord_hash = json.loads((coord_dir / latest / "meta.json").read_text())["theta_sha256"]
@@ -220,15 +246,19 @@ def summarize(run: Path, sites: list[str], elapsed: float) -> int:
             row["val"].append(rec["val_loss"])
         if "train_loss" in rec:
             row["train"].append(rec["train_loss"])
-    print("\nround  train loss (mean of sites)  val loss of theta_r")
-    for r in sorted(by_round):
-        row = by_round[r]
+    print("\nround  train loss (mean of sites)  val loss of theta_r  at the coordinator")
+    for r in sorted(by_round.keys() | at_coordinator.keys()):
+        row = by_round.get(r, {"val": [], "train": []})
         train = f"{sum(row['train']) / len(row['train']):.4f}" if row["train"] else "-"
         val = f"{row['val'][0]:.4f}" if row["val"] else "-"
-        print(f"{r:5d}  {train:>26s}  {val:>19s}")
-    plot = plot_losses(run, by_round)
+        coord = f"{at_coordinator[r]:.4f}" if r in at_coordinator else "-"
+        print(f"{r:5d}  {train:>26s}  {val:>19s}  {coord:>18s}")
+    plot = plot_losses(run, by_round, at_coordinator)
     final_val = [r["val_loss"] for r in records if r.get("final")]
     print(f"\nfinal validation loss {final_val[0]:.4f}" if final_val else "no final loss")
+    if at_coordinator:
+        last = max(at_coordinator)
+        print(f"at the coordinator, theta_{last}: {at_coordinator[last]:.4f}")
     print(f"total WAN bytes {wan / 1e6:.2f} MB (pushes + fetches, all sites)")
     print(
         f"theta hashes: every site {'MATCHES' if match else 'DOES NOT MATCH'} the "

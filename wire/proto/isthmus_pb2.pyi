@@ -285,7 +285,7 @@ class SiteStatus(_message.Message):
     def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., last_update_age_s: _Optional[float] = ..., last_round_pushed: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., phi: _Optional[float] = ..., suspected: _Optional[bool] = ..., data_units: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out", "rejections", "aggregation", "data_mode", "units_committed", "units_pending")
+    __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out", "rejections", "aggregation", "data_mode", "units_committed", "units_pending", "evaluation")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SITES_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,7 @@ class StatusReply(_message.Message):
     DATA_MODE_FIELD_NUMBER: _ClassVar[int]
     UNITS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     UNITS_PENDING_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     round: RoundInfo
     sites: _containers.RepeatedCompositeFieldContainer[SiteStatus]
@@ -316,4 +317,22 @@ class StatusReply(_message.Message):
     data_mode: str
     units_committed: _containers.RepeatedScalarFieldContainer[str]
     units_pending: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_name: _Optional[str] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., updates_received: _Optional[int] = ..., updates_expected: _Optional[int] = ..., round_age_s: _Optional[float] = ..., waiting_reason: _Optional[str] = ..., strategy: _Optional[str] = ..., wan_bytes_in: _Optional[int] = ..., wan_bytes_out: _Optional[int] = ..., rejections: _Optional[_Iterable[str]] = ..., aggregation: _Optional[str] = ..., data_mode: _Optional[str] = ..., units_committed: _Optional[_Iterable[str]] = ..., units_pending: _Optional[_Iterable[str]] = ...) -> None: ...
+    evaluation: Evaluation
+    def __init__(self, job_name: _Optional[str] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., updates_received: _Optional[int] = ..., updates_expected: _Optional[int] = ..., round_age_s: _Optional[float] = ..., waiting_reason: _Optional[str] = ..., strategy: _Optional[str] = ..., wan_bytes_in: _Optional[int] = ..., wan_bytes_out: _Optional[int] = ..., rejections: _Optional[_Iterable[str]] = ..., aggregation: _Optional[str] = ..., data_mode: _Optional[str] = ..., units_committed: _Optional[_Iterable[str]] = ..., units_pending: _Optional[_Iterable[str]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ...) -> None: ...
+
+class Evaluation(_message.Message):
+    __slots__ = ("version", "metrics", "seconds")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    metrics: _containers.ScalarMap[str, float]
+    seconds: float
+    def __init__(self, version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ...) -> None: ...
