@@ -30,6 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", help="HOST:PORT to listen on (overrides server.listen)")
     serve.add_argument("--state-dir", help="state folder (overrides job.state_dir)")
     serve.add_argument("--crl", metavar="FILE", help="the CA's revocation list (reread live)")
+    serve.add_argument(
+        "--metrics",
+        metavar="[HOST:]PORT",
+        help="serve Prometheus metrics on this port (127.0.0.1 unless HOST is given)",
+    )
     add_security_flags(serve, "the coordinator")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     status = sub.add_parser("status", help="print the state of a running job")
@@ -44,8 +49,9 @@ def _serve(args) -> int:
     cfg = load_config(args.config)  # before the slow torch import: config errors come fast
     bundle = bundle_from_flags(args)
     from coordinator.server import CoordinatorServer, ServerTls  # torch import: only for serve
-    from coordinator.store import StoreError
+    from coordinator.store import StoreError, write_atomic
     from strategies import StrategyError
+    from wire.metrics_http import MetricsAddressError, serve_metrics
 
     # Like `python -m`, make the working directory importable, so that model factories and
     # strategy plugins in the user's own project (`mypkg.model:build`) can be named.
@@ -57,6 +63,13 @@ def _serve(args) -> int:
         server = CoordinatorServer(cfg, args.listen, tls)
     except (StoreError, StrategyError) as exc:  # a wrong [strategy], state in use, damaged log
         raise StartError(str(exc)) from exc
+    if args.metrics:
+        try:
+            metrics, address = serve_metrics(server.metrics.registry, args.metrics)
+        except (MetricsAddressError, OSError) as exc:
+            server.close()
+            raise StartError(f"--metrics {args.metrics}: {exc}") from exc
+        write_atomic(cfg.state_dir / "metrics_address", f"{address}\n".encode())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
     return server.run()

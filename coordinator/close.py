@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from coordinator.checkpointing import CheckpointWriter
 from coordinator.disk import until_written
@@ -219,8 +220,13 @@ class ClosePipeline:
         meta = {**meta, "events_seq": self.p.events.last_seq}
         ckpt = Checkpoint(r + 1, nxt.tensors, strategy_state, meta, downlink, theta_hash)
 
-        def written() -> None:
+        def written(seconds: float, folder: Path) -> None:
             self.p.spool.drop_rounds_before(r + 1)
+            size = sum(f.stat().st_size for f in folder.iterdir())
+            self.p.sink.post(
+                "checkpoint_written", round=r + 1, seconds=round(seconds, 4), bytes=size
+            )
+            self.p.sink.flush()
             _rotate(self.p.events)
 
         self.p.writer.submit(ckpt, written)

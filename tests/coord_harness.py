@@ -138,9 +138,12 @@ class CoordinatorProcess:
         log_path: Path,
         tls_dir: Path | None = None,
         crl: Path | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
-        """Plaintext (``--insecure``) unless ``tls_dir`` names the coordinator's bundle."""
+        """Plaintext (``--insecure``) unless ``tls_dir`` names the coordinator's bundle;
+        ``extra_args`` go to ``serve`` as they are."""
         self.tls_dir = tls_dir
+        self.extra_args = tuple(extra_args)
         self.crl = crl
         self.config_path = Path(config_path)
         self.state_dir = Path(state_dir)
@@ -165,6 +168,7 @@ class CoordinatorProcess:
             cmd += ["--crl", str(self.crl)]
         if listen:
             cmd += ["--listen", listen]
+        cmd += self.extra_args
         self.starts += 1
         log = open(self.log_path, "a")  # noqa: SIM115 - handed to the child, closed below
         log.write(f"\n===== start {self.starts}: {' '.join(cmd)}\n")
