@@ -15,10 +15,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from wire.backoff import BackoffPolicy
 from wire.grpc_options import channel_options
@@ -281,3 +283,14 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.02, what: s
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def scrape_metrics(address: str) -> dict[tuple[str, tuple], float]:
+    """Every Prometheus sample served at ``address``, by (name, sorted labels)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

@@ -3,10 +3,7 @@ job did."""
 
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 try:
     from . import coord_harness as h
@@ -18,17 +15,6 @@ import test_coordinator_e2e as e2e
 from wire.metrics_http import MetricsAddressError, parse_metrics_address
 
 pytestmark = pytest.mark.e2e
-
-
-def scrape(address: str) -> dict[tuple[str, tuple], float]:
-    """Every sample at ``address`` by (name, sorted labels)."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def test_the_coordinator_metrics_match_what_the_job_did(tmp_path):
@@ -51,7 +37,7 @@ def test_the_coordinator_metrics_match_what_the_job_did(tmp_path):
         for site in e2e.SITES:
             hooks.wait_arrived(site, "before_push", 2)
         address = (folder / "state" / "metrics_address").read_text().strip()
-        seen["metrics"] = scrape(address)
+        seen["metrics"] = h.scrape_metrics(address)
         seen["status"] = h.status(coord.address)
 
     try:
@@ -74,7 +60,7 @@ def test_the_coordinator_metrics_match_what_the_job_did(tmp_path):
     bytes_out = sum(m[("isthmus_site_bytes_out_total", (("site", s),))] for s in e2e.SITES)
     assert bytes_in == m[("isthmus_wan_bytes_in", ())] == status.wan_bytes_in
     assert bytes_out == m[("isthmus_wan_bytes_out", ())] == status.wan_bytes_out
-    assert m[("isthmus_checkpoint_seconds_count", ())] >= 2
+    assert m[("isthmus_checkpoint_seconds_count", ())] >= 1  # round 2's may still be written
     assert m[("isthmus_checkpoint_bytes", ())] > 0
     phases = {
         dict(labels)["phase"] for (name, labels) in m if name == "isthmus_round_phase_seconds"
