@@ -8,12 +8,14 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import grpc
 
 from coordinator.certs_cli import add_certs_parser, run_certs
 from coordinator.config import ConfigError, load_config
+from coordinator.history_cli import add_history_parser, run_history
 from wire.channel import add_security_flags, bundle_from_flags, open_channel
 from wire.identity import IdentityError
 
@@ -40,8 +42,18 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print the state of a running job")
     status.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    status.add_argument("--json", action="store_true", help="the reply as JSON")
+    status.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=2.0,
+        metavar="SECONDS",
+        help="print it again every SECONDS (default 2) until Ctrl-C",
+    )
     add_security_flags(status, "an operator")
     add_certs_parser(sub)
+    add_history_parser(sub)
     return p
 
 
@@ -76,29 +88,40 @@ def _serve(args) -> int:
 
 
 def _status(args) -> int:
-    from coordinator.status import format_status
+    from coordinator.status import format_status, status_json
     from wire.proto import isthmus_pb2 as pb
     from wire.proto import isthmus_pb2_grpc as pb_grpc
 
     with open_channel(args.coordinator, bundle_from_flags(args)) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
-        try:
-            reply = stub.Status(pb.StatusRequest(), timeout=args.timeout)
-        except grpc.RpcError as exc:
-            hint = (
-                exc.details()
-                if exc.code()
-                in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
-                else "is `coordinator serve` running there, and do its TLS settings match?"
-            )
-            print(
-                f"coordinator: error: no answer from {args.coordinator} "
-                f"({exc.code().name}): {hint}",
-                file=sys.stderr,
-            )
-            return 1
-    print(format_status(reply))
-    return 0
+        while True:
+            try:
+                reply = stub.Status(pb.StatusRequest(), timeout=args.timeout)
+            except grpc.RpcError as exc:
+                print(
+                    f"coordinator: error: {_status_failure(args.coordinator, exc)}", file=sys.stderr
+                )
+                return 1
+            text = status_json(reply) if args.json else format_status(reply)
+            if args.watch is None:
+                print(text)
+                return 0
+            if sys.stdout.isatty():
+                print("\x1b[2J\x1b[H", end="")  # clear the screen, as `watch` does
+            print(text, flush=True)
+            try:
+                time.sleep(args.watch)
+            except KeyboardInterrupt:
+                return 0
+
+
+def _status_failure(coordinator: str, exc: grpc.RpcError) -> str:
+    hint = (
+        exc.details()
+        if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+        else "is `coordinator serve` running there, and do its TLS settings match?"
+    )
+    return f"no answer from {coordinator} ({exc.code().name}): {hint}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "certs":
             return run_certs(args)
+        if args.command == "history":
+            return run_history(args)
         return _serve(args) if args.command == "serve" else _status(args)
     except (ConfigError, StartError, IdentityError, OSError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)

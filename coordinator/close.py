@@ -200,6 +200,7 @@ class ClosePipeline:
                 **self.p.data.meta(),
             }
             if self.p.events.last_closed_round != r:  # a replayed close logged before a crash
+                agg = outcome.aggregate
                 self.p.sink.post(
                     "round_closed",
                     round=r,
@@ -207,6 +208,15 @@ class ClosePipeline:
                     updates=[k.label for k in order.keys],
                     theta_sha256=theta_hash.hex(),
                     phases=phases,
+                    # What history needs (``coordinator history``):
+                    participants=sorted(order.round.participants),
+                    update_bytes=sum(u.manifest.total_bytes for u in order.updates),
+                    losses={
+                        site: m["train_loss"]
+                        for site, m in (agg.metrics if agg is not None else {}).items()
+                        if "train_loss" in m
+                    },
+                    rejected=dict(outcome.rejected),
                 )
             s.changed()
         self.p.uploads.drop_rounds_before(r + 1)
