@@ -81,12 +81,14 @@ class CallGate:
         request_timeout_s: float,
         stream_idle_s: float,
         watchdog: CallWatchdog,
+        on_refused: Callable[[str, str], None] = lambda kind, code: None,
     ) -> None:
         self.authorizer = authorizer
         self.limits = limits
         self.request_timeout_s = request_timeout_s
         self.stream_idle_s = stream_idle_s
         self.watchdog = watchdog
+        self.on_refused = on_refused  # (kind of call, status name): for the metrics
         self._lock = threading.Lock()
         self._open: Counter = Counter()
 
@@ -102,6 +104,7 @@ class CallGate:
             code = grpc.StatusCode.UNAUTHENTICATED
             if exc.code == "denied":
                 code = grpc.StatusCode.PERMISSION_DENIED
+            self.on_refused("call", code.name)
             context.abort(code, str(exc))
         if who is None:  # --insecure: no certificates; a connection is the best name there is
             return f"peer {context.peer()}"
@@ -116,6 +119,7 @@ class CallGate:
                 self._open[(caller, kind)] += 1
         if refusal is not None:
             log.warning("call refused: %s", refusal)
+            self.on_refused(kind, "RESOURCE_EXHAUSTED")
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         return caller
 

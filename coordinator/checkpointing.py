@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 from coordinator.disk import until_written
 from coordinator.store import Checkpoint, CheckpointStore
@@ -28,18 +30,19 @@ class CheckpointWriter:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._last: Future | None = None
 
-    def submit(self, ckpt: Checkpoint, then: Callable[[], None]) -> Future:
-        """Write ``ckpt``; once it is durable, run ``then`` (same thread)."""
+    def submit(self, ckpt: Checkpoint, then: Callable[[float, Path], None]) -> Future:
+        """Write ``ckpt``; once it is durable, run ``then(seconds, folder)`` (same thread)."""
 
         def write() -> None:
+            started = time.monotonic()
             # A full disk stalls the job here (the next outer step waits for this write)
             # rather than stopping it: the previous checkpoint stays as it was.
-            until_written(
+            folder = until_written(
                 lambda: self.store.save(ckpt),
                 f"writing the checkpoint of round {ckpt.round}",
                 self.stopping,
             )
-            then()
+            then(time.monotonic() - started, folder)
 
         self._last = self._thread.submit(write)
         self._last.add_done_callback(_report)

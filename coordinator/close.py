@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from coordinator.checkpointing import CheckpointWriter
 from coordinator.disk import until_written
@@ -204,6 +205,7 @@ class ClosePipeline:
                 **self.p.data.meta(),
             }
             if self.p.events.last_closed_round != r:  # a replayed close logged before a crash
+                agg = outcome.aggregate
                 self.p.sink.post(
                     "round_closed",
                     round=r,
@@ -211,6 +213,15 @@ class ClosePipeline:
                     updates=[k.label for k in order.keys],
                     theta_sha256=theta_hash.hex(),
                     phases=phases,
+                    # What history needs (``coordinator history``):
+                    participants=sorted(order.round.participants),
+                    update_bytes=sum(u.manifest.total_bytes for u in order.updates),
+                    losses={
+                        site: m["train_loss"]
+                        for site, m in (agg.metrics if agg is not None else {}).items()
+                        if "train_loss" in m
+                    },
+                    rejected=dict(outcome.rejected),
                 )
             s.changed()
         self.p.uploads.drop_rounds_before(r + 1)
@@ -224,8 +235,13 @@ class ClosePipeline:
         meta = {**meta, "events_seq": self.p.events.last_seq}
         ckpt = Checkpoint(r + 1, nxt.tensors, strategy_state, meta, downlink, theta_hash)
 
-        def written() -> None:
+        def written(seconds: float, folder: Path) -> None:
             self.p.spool.drop_rounds_before(r + 1)
+            size = sum(f.stat().st_size for f in folder.iterdir())
+            self.p.sink.post(
+                "checkpoint_written", round=r + 1, seconds=round(seconds, 4), bytes=size
+            )
+            self.p.sink.flush()
             _rotate(self.p.events)
 
         self.p.writer.submit(ckpt, written)

@@ -116,6 +116,8 @@ class UpdateCounter:
             late_from=key.late_from,
             weight=spooled.weight,
             sha256=upload.manifest.sha256.hex(),
+            bytes=upload.manifest.total_bytes,
+            fp32_bytes=upload.manifest.fp32_bytes(),
         )
         log.info("round %d: update %s counted (weight %g)", upload.round, key.label, spooled.weight)
         s.changed()

@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -285,9 +286,14 @@ class EventSink:
         self._pending: deque[tuple[str, dict[str, Any]]] = deque()
         self._writing = threading.Lock()
         self._failing = False
+        # Told of every event as it is posted (under the coordinator's lock: cheap only),
+        # e.g. the Prometheus metrics.
+        self.observers: list[Callable[[str, dict[str, Any]], None]] = []
 
     def post(self, kind: str, **fields: Any) -> None:
         self._pending.append((kind, fields))
+        for observe in self.observers:
+            observe(kind, fields)
 
     def flush(self) -> None:
         """Write what was posted. On a full disk the events stay queued, in order, for the

@@ -18,6 +18,7 @@ from coordinator.auth import Authorizer, RevocationList
 from coordinator.call_gate import CallGate, CallLimits, method_handlers
 from coordinator.config import JobConfig
 from coordinator.core import CoordinatorCore
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.records import FatalError
 from coordinator.servicer import CoordinatorServicer
 from coordinator.store import StoreError, write_atomic
@@ -89,7 +90,9 @@ class CoordinatorServer:
         self.address = f"{address.rpartition(':')[0]}:{port}"
         self.core = CoordinatorCore(cfg)
         authorizer = Authorizer(revocations)
-        servicer = CoordinatorServicer(self.core, authorizer)
+        self.metrics = CoordinatorMetrics(self.core.snapshot)
+        self.core.sink.observers.append(self.metrics.event)
+        servicer = CoordinatorServicer(self.core, authorizer, self.metrics)
         self.watchdog = CallWatchdog()
         self.gate = CallGate(
             authorizer,
@@ -97,6 +100,7 @@ class CoordinatorServer:
             cfg.server.request_timeout_s,
             cfg.server.stream_idle_s,
             self.watchdog,
+            on_refused=self.metrics.refused,
         )
         self.server.add_generic_rpc_handlers(method_handlers(self.gate, servicer))
         self.exit_code = 0

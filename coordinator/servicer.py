@@ -16,6 +16,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from coordinator.auth import AuthError, Authorizer
 from coordinator.core import CoordinatorCore
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.records import PushHeader, Refused, check_name
 from coordinator.status import status_reply
 from wire.bulk import chunk_frame, parse_chunk
@@ -46,11 +47,13 @@ STATUS_CODES = {
 def _refusals_to_status(method):
     """Turn ``Refused`` into a gRPC error with the refusal's code and message."""
 
-    def abort(context, exc: Refused):
+    def abort(servicer, context, exc: Refused):
         log.info("%s refused: %s", method.__name__, exc)
+        code = STATUS_CODES.get(exc.code, grpc.StatusCode.INVALID_ARGUMENT)
+        servicer.metrics.refused(method.__name__, code.name)
         if exc.committed_by:  # which site's copy of a data unit won: a field, not prose
             context.set_trailing_metadata(((COMMITTED_BY, exc.committed_by),))
-        context.abort(STATUS_CODES.get(exc.code, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
+        context.abort(code, str(exc))
 
     if inspect.isgeneratorfunction(method):
 
@@ -59,7 +62,7 @@ def _refusals_to_status(method):
             try:
                 yield from method(self, request, context)
             except Refused as exc:
-                abort(context, exc)
+                abort(self, context, exc)
 
         return stream
 
@@ -68,7 +71,7 @@ def _refusals_to_status(method):
         try:
             return method(self, request, context)
         except Refused as exc:
-            abort(context, exc)
+            abort(self, context, exc)
 
     return unary
 
@@ -110,10 +113,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self,
         core: CoordinatorCore,
         authorizer: Authorizer,
+        metrics: CoordinatorMetrics,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         self.core = core
         self.authorizer = authorizer
+        self.metrics = metrics
         self.chunk_bytes = chunk_bytes
         self.ttl_s = core.cfg.timeouts.lease_ttl_s
 
@@ -220,6 +225,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         for offset, data in iter_chunks(payload, self.chunk_bytes, start=request.offset):
             yield offset, data
             self.core.count_sent(len(data))
+            self.metrics.sent(request.lease.site, len(data))
 
     @_refusals_to_status
     def Push(self, request_iterator, context) -> pb.PushReply:
@@ -275,6 +281,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             for offset, data in chunks:
                 self.core.upload_chunk(upload, offset, data, h.lease.token)
+                self.metrics.received(upload.site, len(data))
             return self._finish(upload, h.lease.token, context)
         finally:
             self.core.release_upload(upload)

@@ -6,6 +6,7 @@ reads only the snapshot.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from coordinator.evaluation import Evaluation, describe
@@ -122,6 +123,25 @@ def _age(seconds: float) -> str:
     return f"{seconds:.1f}s ago"
 
 
+def status_json(s: pb.StatusReply) -> str:
+    """The reply as JSON: field names as in the protocol, numbers as numbers (protobuf's own
+    JSON writes 64-bit integers as strings), bytes in hex."""
+    return json.dumps(_plain(s), indent=1, sort_keys=True)
+
+
+def _plain(msg) -> dict:
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        one = _plain if f.type == f.TYPE_MESSAGE else _scalar
+        out[f.name] = [one(v) for v in value] if f.label == f.LABEL_REPEATED else one(value)
+    return out
+
+
+def _scalar(value):
+    return value.hex() if isinstance(value, bytes) else value
+
+
 def format_status(s: pb.StatusReply) -> str:
     r = s.round
     lines = [
@@ -156,6 +176,7 @@ def format_status(s: pb.StatusReply) -> str:
         "PUSHED",
         "UNITS",
         "PHASE",
+        "LOSS",
     )
     rows = [
         (
@@ -171,6 +192,7 @@ def format_status(s: pb.StatusReply) -> str:
             f"{x.progress.phase} r{x.progress.round} step {x.progress.inner_step}"
             if x.progress.phase
             else "-",
+            f"{x.progress.train_loss:.4f}" if x.progress.train_loss else "-",
         )
         for x in s.sites
     ]

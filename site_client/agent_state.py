@@ -14,6 +14,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from site_client.metrics import ComputeClock, TransferStats
 from site_client.scratch import default_shm_dir
 from site_client.tasks import Task, TaskBook, Upload, describe, unit_index
 from site_client.theta_fetch import GlobalState
@@ -57,6 +58,8 @@ class AgentState:
         self.ready: Offer | None = None  # theta published to the trainers
         self.held: GlobalState | None = None  # theta as fetched: the base of the next delta
         self.book = TaskBook()
+        self.compute = ComputeClock()  # the trainers' time in tasks (site_client.metrics)
+        self.transfers = TransferStats()
         self.progress = pb.Progress(phase="idle")
         self.error: str | None = None
         self.stopping = False

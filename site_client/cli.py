@@ -64,9 +64,25 @@ def _parser() -> argparse.ArgumentParser:
         help="once joined, how long to keep retrying an unreachable coordinator (a restart, a "
         "WAN cut) before giving up (default 3600)",
     )
+    s.add_argument(
+        "--metrics",
+        metavar="[HOST:]PORT",
+        type=_metrics_address,
+        help="serve Prometheus metrics on this port (127.0.0.1 unless HOST is given)",
+    )
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     add_security_flags(s, "this site")
     return p
+
+
+def _metrics_address(text: str) -> str:
+    from wire.metrics_http import MetricsAddressError, parse_metrics_address
+
+    try:
+        parse_metrics_address(text)
+    except MetricsAddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -114,6 +130,12 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
+    if args.metrics:
+        from site_client.metrics import agent_registry
+        from wire.metrics_http import serve_metrics
+
+        _server, address = serve_metrics(agent_registry(agent), args.metrics)
+        (run_dir / "metrics_address").write_text(f"{address}\n")
     os.environ.update(
         ISTHMUS_AGENT_SOCKET=str(cfg.shm_dir / "agent.sock"),
         ISTHMUS_RUN_DIR=str(run_dir),

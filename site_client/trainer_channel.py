@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 from site_client.agent_state import AgentConfig, AgentState
@@ -103,6 +104,7 @@ class TrainerChannel:
             offer = self.offer()
             if not offer["finished"]:
                 s.book.issue(Task(offer["round"], offer["data_unit"]), offer["version"])
+                s.compute.task_taken(time.monotonic())
             return {"ready": True, **offer}
 
     def progress(self, req: dict) -> dict:
@@ -120,6 +122,7 @@ class TrainerChannel:
         paths = [str(p) for p in req.get("paths") or [req["path"]]]
         with s.cond:
             outcome = s.book.submit(task, paths, float(req.get("weight", 1.0)))
+            s.compute.task_handed_over(time.monotonic())
             if outcome != "accepted":
                 for path in paths:
                     Path(path).unlink(missing_ok=True)
@@ -138,6 +141,8 @@ class TrainerChannel:
     def metrics(self, req: dict) -> dict:
         record = {k: v for k, v in req.items() if k != "op"}
         record["site"] = self.cfg.site
+        with self.state.cond:
+            self.state.transfers.reported(record)
         with open(self.cfg.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         shown = "  ".join(

@@ -148,6 +148,8 @@ class WanWorker:
             s.progress.phase = "training"
             s.cond.notify_all()
         seconds = time.monotonic() - started
+        with s.cond:
+            s.transfers.add("fetch", seconds)
         got_bytes = self.client.bytes_received - received
         record(self.cfg.run_dir / TIMINGS, "fetch", version=got.version, s=seconds, bytes=got_bytes)
         if previous is not None and previous.theta_path != str(got.path):
@@ -194,6 +196,9 @@ class WanWorker:
             s.progress.phase = "idle"
             s.cond.notify_all()
         sent, seconds = self.client.bytes_sent - sent_before, time.monotonic() - started
+        held_s = getattr(self.client, "last_push_held_s", 0.0)
+        with s.cond:
+            s.transfers.add("push", seconds, held_s)
         record(
             self.cfg.run_dir / TIMINGS,
             "push",
@@ -201,7 +206,7 @@ class WanWorker:
             unit=job.task.unit,
             s=seconds,
             bytes=sent,
-            held_s=getattr(self.client, "last_push_held_s", 0.0),
+            held_s=held_s,
             counted=counted,
         )
         log.info(

@@ -15,10 +15,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from wire.backoff import BackoffPolicy
 from wire.grpc_options import channel_options
@@ -138,9 +140,12 @@ class CoordinatorProcess:
         log_path: Path,
         tls_dir: Path | None = None,
         crl: Path | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
-        """Plaintext (``--insecure``) unless ``tls_dir`` names the coordinator's bundle."""
+        """Plaintext (``--insecure``) unless ``tls_dir`` names the coordinator's bundle;
+        ``extra_args`` go to ``serve`` as they are."""
         self.tls_dir = tls_dir
+        self.extra_args = tuple(extra_args)
         self.crl = crl
         self.config_path = Path(config_path)
         self.state_dir = Path(state_dir)
@@ -165,6 +170,7 @@ class CoordinatorProcess:
             cmd += ["--crl", str(self.crl)]
         if listen:
             cmd += ["--listen", listen]
+        cmd += self.extra_args
         self.starts += 1
         log = open(self.log_path, "a")  # noqa: SIM115 - handed to the child, closed below
         log.write(f"\n===== start {self.starts}: {' '.join(cmd)}\n")
@@ -277,3 +283,14 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.02, what: s
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def scrape_metrics(address: str) -> dict[tuple[str, tuple], float]:
+    """Every Prometheus sample served at ``address``, by (name, sorted labels)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from coord_harness import (
     REPO,
     CoordinatorProcess,
     job_config,
+    scrape_metrics,
     subprocess_env,
     wait_until,
     write_config,
@@ -121,12 +123,33 @@ def final_theta_hash(tmp_path: Path) -> str:
     return json.loads(meta.read_text())["theta_sha256"]
 
 
+class Scraper(threading.Thread):
+    """Scrapes an agent's metrics every half second while it runs; keeps the last scrape."""
+
+    def __init__(self, address_file: Path, proc: subprocess.Popen) -> None:
+        super().__init__(daemon=True)
+        self.address_file, self.proc = address_file, proc
+        self.last: dict = {}
+
+    def run(self) -> None:
+        while self.proc.poll() is None:
+            if self.address_file.exists():
+                with contextlib.suppress(OSError):
+                    self.last = scrape_metrics(self.address_file.read_text().strip())
+            time.sleep(0.5)
+
+
 def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
     coord = start_tls_coordinator(tmp_path, tiny_gpt_job("site-e2e", sites=2))
     env = subprocess_env()
     env["ISTHMUS_FAULTS"] = "site=site-0,round=1,step=3,rank=1,action=kill"
-    sites = [start_site(tmp_path, coord.address, i, env) for i in range(2)]
+    sites = [
+        start_site(tmp_path, coord.address, i, env, ("--metrics", "127.0.0.1:0") if i else ())
+        for i in range(2)
+    ]
+    scraped = Scraper(tmp_path / "site-1" / "metrics_address", sites[1])
     try:
+        scraped.start()
         codes = [p.wait(timeout=240) for p in sites]
         logs = {i: (tmp_path / f"site-{i}.log").read_text() for i in range(2)}
         assert codes == [0, 0], f"site exit codes {codes}:\n{logs[0][-3000:]}\n{logs[1][-3000:]}"
@@ -163,6 +186,24 @@ def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
     val = {r["round"]: r["val_loss"] for r in records if "val_loss" in r}
     assert sorted(val) == list(range(ROUNDS + 1))
     assert val[1] < val[0] and val[ROUNDS] < val[1], val
+
+    # site-1's metrics, as last scraped while it ran, agree with what it did.
+    scraped.join(timeout=10)
+    m = scraped.last
+    assert m, "site-1's metrics were never scraped"
+    assert 0 < m[("isthmus_agent_compute_utilisation", ())] <= 1
+    trained, waited = (
+        m[("isthmus_agent_training_seconds_total", ())],
+        m[("isthmus_agent_wan_wait_seconds_total", ())],
+    )
+    assert trained > 0 and waited >= 0
+    assert (
+        m[("isthmus_agent_fetches_total", ())] >= 2 and m[("isthmus_agent_pushes_total", ())] >= 1
+    )
+    assert m[("isthmus_agent_bytes_sent_total", ())] > 0
+    assert m[("isthmus_agent_bytes_received_total", ())] > 0
+    assert sum(v for (name, _), v in m.items() if name == "isthmus_agent_phase") == 1
+    assert ("isthmus_agent_trainer_metric", (("name", "val_loss"),)) in m
 
 
 def test_a_site_rides_out_a_coordinator_outage_longer_than_its_connect_timeout(tmp_path):

@@ -14,6 +14,7 @@ last tensor. A receiver can then refuse an oversized update before it stores a b
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -114,6 +115,11 @@ class Manifest:
     entries: tuple[TensorEntry, ...]
     total_bytes: int
     sha256: bytes = field(default=b"")
+
+    def fp32_bytes(self) -> int:
+        """What the payload's tensors take as raw float32 (a codec's ratio is this over
+        ``total_bytes``)."""
+        return sum(4 * math.prod(e.shape) for e in self.entries)
 
     def to_proto(self) -> pb.Manifest:
         return pb.Manifest(
