@@ -13,7 +13,7 @@ import csv
 import io
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
 
@@ -34,6 +34,7 @@ class RoundRecord:
     losses: dict[str, float] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
+    evaluation: dict[str, float] = field(default_factory=dict)  # [evaluation] on its theta
 
     @property
     def seconds(self) -> float | None:
@@ -51,6 +52,7 @@ def rounds_of(events: Iterable[dict]) -> list[RoundRecord]:
     """The closed rounds, in order, from the event log's records (pure)."""
     opened: dict[int, float] = {}
     update_bytes: dict[int, int] = {}
+    evaluated: dict[int, dict] = {}  # by theta version: round r's close makes version r + 1
     out = []
     for e in events:
         kind, r = e.get("kind"), e.get("round")
@@ -60,7 +62,9 @@ def rounds_of(events: Iterable[dict]) -> list[RoundRecord]:
             update_bytes[r] = update_bytes.get(r, 0) + int(e.get("bytes", 0))
         elif kind == "round_closed" and isinstance(r, int):
             out.append(_record(e, opened.get(r), update_bytes.get(r, 0)))
-    return out
+        elif kind == "evaluation" and isinstance(e.get("version"), int):
+            evaluated[e["version"]] = dict(e.get("metrics") or {})
+    return [replace(r, evaluation=evaluated.get(r.round + 1, {})) for r in out]
 
 
 def _record(e: dict, opened_wall: float | None, counted_bytes: int) -> RoundRecord:

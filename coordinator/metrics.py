@@ -152,6 +152,17 @@ class SnapshotCollector:
         for name, doc, value in job:
             yield GaugeMetricFamily(PREFIX + name, doc, value=float(value))
         yield from _site_families(snap)
+        if snap.evaluation is not None:  # [evaluation]: the newest result of the hook
+            ev = snap.evaluation
+            yield GaugeMetricFamily(
+                PREFIX + "evaluation_version", "The theta version evaluated last", ev.version
+            )
+            family = GaugeMetricFamily(
+                PREFIX + "evaluation", "The evaluation hook's metrics on it", labels=["name"]
+            )
+            for name, value in sorted(ev.metrics.items()):
+                family.add_metric([name], float(value))
+            yield family
 
 
 def _site_families(snap: StatusSnapshot):
