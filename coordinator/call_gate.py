@@ -21,6 +21,7 @@ streaming handler reads the same way.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -168,41 +169,37 @@ class CallGate:
 
     # ---- the method wrappers --------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def admitted(self, context, kind: str, method: Callable):
+        """Count the call while it runs (or abort it); yields its name for the logs."""
+        caller = self.enter(context, kind)
+        try:
+            yield f"{method.__name__} from {caller}"
+        finally:
+            self.leave(caller, kind)
+
     def unary(self, kind: str, method: Callable) -> Callable:
         @functools.wraps(method)
         def handler(requests, context):
-            caller = self.enter(context, kind)
-            try:
-                what = f"{method.__name__} from {caller}"
-                request = self.request(requests, context, what)
-                return method(request, context)
-            finally:
-                self.leave(caller, kind)
+            with self.admitted(context, kind, method) as what:
+                return method(self.request(requests, context, what), context)
 
         return handler
 
     def unary_stream(self, kind: str, method: Callable) -> Callable:
         @functools.wraps(method)
         def handler(requests, context):
-            caller = self.enter(context, kind)
-            try:
-                what = f"{method.__name__} from {caller}"
+            with self.admitted(context, kind, method) as what:
                 request = self.request(requests, context, what)
                 yield from self.replies(method(request, context), context, what)
-            finally:
-                self.leave(caller, kind)
 
         return handler
 
     def stream_unary(self, kind: str, method: Callable) -> Callable:
         @functools.wraps(method)
         def handler(requests, context):
-            caller = self.enter(context, kind)
-            try:
-                what = f"{method.__name__} from {caller}"
+            with self.admitted(context, kind, method) as what:
                 return method(self.messages(requests, context, what), context)
-            finally:
-                self.leave(caller, kind)
 
         return handler
 

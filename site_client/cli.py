@@ -131,11 +131,7 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         )
         return 1
     if args.metrics:
-        from site_client.metrics import agent_registry
-        from wire.metrics_http import serve_metrics
-
-        _server, address = serve_metrics(agent_registry(agent), args.metrics)
-        (run_dir / "metrics_address").write_text(f"{address}\n")
+        _serve_agent_metrics(agent, args.metrics, run_dir)
     os.environ.update(
         ISTHMUS_AGENT_SOCKET=str(cfg.shm_dir / "agent.sock"),
         ISTHMUS_RUN_DIR=str(run_dir),
@@ -154,6 +150,14 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         print(f"siteclient: error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve_agent_metrics(agent, where: str, run_dir: Path) -> None:
+    from site_client.metrics import agent_registry
+    from wire.metrics_http import serve_metrics
+
+    _server, address = serve_metrics(agent_registry(agent), where)
+    (run_dir / "metrics_address").write_text(f"{address}\n")
 
 
 def _one_line(exc: BaseException) -> str:

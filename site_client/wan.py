@@ -133,7 +133,9 @@ class WanWorker:
             reply = self.client.heartbeat()
             s.heard(reply.round, reply.commands)
             return
+        seconds = time.monotonic() - started
         with s.cond:
+            s.transfers.add("fetch", seconds)
             previous = s.ready
             s.held = got
             s.ready = Offer(
@@ -147,9 +149,6 @@ class WanWorker:
             )
             s.progress.phase = "training"
             s.cond.notify_all()
-        seconds = time.monotonic() - started
-        with s.cond:
-            s.transfers.add("fetch", seconds)
         got_bytes = self.client.bytes_received - received
         record(self.cfg.run_dir / TIMINGS, "fetch", version=got.version, s=seconds, bytes=got_bytes)
         if previous is not None and previous.theta_path != str(got.path):
