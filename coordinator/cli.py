@@ -36,8 +36,29 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
     add_security_flags(status, "an operator")
+    export = sub.add_parser(
+        "export", help="write a kept checkpoint's model as a standalone safetensors file"
+    )
+    export.add_argument("--state-dir", required=True, metavar="DIR", help="the job's state folder")
+    export.add_argument("--round", type=int, metavar="N", help="the checkpoint (default: newest)")
+    export.add_argument("--out", required=True, metavar="FILE", help="NAME.safetensors to write")
     add_certs_parser(sub)
     return p
+
+
+def _export(args) -> int:
+    from coordinator.export import export_model
+    from coordinator.store import StoreError
+
+    try:
+        done = export_model(Path(args.state_dir), Path(args.out), args.round)
+    except StoreError as exc:
+        raise StartError(str(exc)) from exc
+    print(
+        f"model of round {done.card.round} (theta {done.card.theta_sha256[:12]}) written to "
+        f"{done.path}; its [model] table in {done.card_path}"
+    )
+    return 0
 
 
 def _serve(args) -> int:
@@ -59,7 +80,10 @@ def _serve(args) -> int:
         raise StartError(str(exc)) from exc
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
-    return server.run()
+    code = server.run()
+    if code == 0 and server.final is not None:
+        print(f"job {cfg.name!r} complete; final model: {server.final.path}")
+    return code
 
 
 def _status(args) -> int:
@@ -96,9 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        if args.command == "certs":
-            return run_certs(args)
-        return _serve(args) if args.command == "serve" else _status(args)
+        commands = {"certs": run_certs, "serve": _serve, "status": _status, "export": _export}
+        return commands[args.command](args)
     except (ConfigError, StartError, IdentityError, OSError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from coordinator.auth import Authorizer, RevocationList
 from coordinator.call_gate import CallGate, CallLimits, method_handlers
 from coordinator.config import JobConfig
 from coordinator.core import CoordinatorCore
+from coordinator.export import Exported, export_model, final_model_path, write_model_card
 from coordinator.records import FatalError
 from coordinator.servicer import CoordinatorServicer
 from coordinator.store import StoreError, write_atomic
@@ -88,6 +89,8 @@ class CoordinatorServer:
             raise OSError(f"cannot listen on {address} (address in use or not local?)")
         self.address = f"{address.rpartition(':')[0]}:{port}"
         self.core = CoordinatorCore(cfg)
+        write_model_card(cfg.state_dir, cfg.name, cfg.model)  # what `coordinator export` reads
+        self.final: Exported | None = None
         authorizer = Authorizer(revocations)
         servicer = CoordinatorServicer(self.core, authorizer)
         self.watchdog = CallWatchdog()
@@ -119,7 +122,9 @@ class CoordinatorServer:
                     self.exit_code = 3
                     break
                 if self.core.finished:
-                    finished_at = finished_at or time.monotonic()
+                    if finished_at is None:
+                        finished_at = time.monotonic()
+                        self._write_final()
                     if self._sites_gone(finished_at):
                         log.info("job %r finished; all sites have left", self.cfg.name)
                         break
@@ -133,6 +138,20 @@ class CoordinatorServer:
             self.watchdog.stop()
             self.close()
         return self.exit_code
+
+    def _write_final(self) -> None:
+        """The final model as a file of its own, once the last checkpoint is on disk."""
+        rounds = self.core.state.round.number
+        out = final_model_path(self.cfg.state_dir)
+        try:
+            self.core.writer.wait()
+            out.parent.mkdir(exist_ok=True)
+            self.final = export_model(self.cfg.state_dir, out, rounds)
+        except (StoreError, OSError) as exc:
+            log.error("the final model was not written: %s", exc)
+            self.exit_code = 3
+            return
+        log.info("final model (round %d) written to %s", rounds, self.final.path)
 
     def close(self) -> None:
         """Let go of the state folder (``run`` does this when it returns)."""

@@ -277,3 +277,28 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.02, what: s
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def drive_site(address: str, site: str, tls=None, step: float = 0.01, stop=None) -> bytes:
+    """One site through a whole job, in this thread: each round fetch theta_r, push a small
+    fixed pseudo-gradient (``step`` on every trainable tensor), then fetch the final theta
+    and leave. Returns the final theta's hash. ``stop()`` true: leave before the job ends."""
+    from site_client.coordinator_client import CoordinatorClient
+
+    client = CoordinatorClient(address, site, tls=tls, backoff=FAST_BACKOFF, rpc_timeout_s=5.0)
+    try:
+        client.join()
+        last = -1
+        while not (stop and stop()):
+            info = client.wait_for_round(after=last, poll_s=0.05)
+            if info.finished:
+                break
+            g = client.fetch()
+            delta = {n: torch.full_like(g.theta[n], step) for n in TRAINABLE}
+            client.push(info.round, delta, base_version=g.version)
+            last = info.round
+        final = client.fetch()
+        client.leave("done")
+        return final.theta_hash
+    finally:
+        client.close()

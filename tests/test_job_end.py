@@ -1,0 +1,97 @@
+"""The end of a job: the final model file and ``coordinator export``."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+try:  # tests/ as a package or as a plain folder on sys.path
+    from . import coord_harness as h
+    from .test_coordinator_cli import one_line_error
+except ImportError:
+    import coord_harness as h
+    from test_coordinator_cli import one_line_error
+
+from coordinator.export import load_model, read_card
+from coordinator.store import CheckpointStore
+
+pytestmark = pytest.mark.e2e
+ROUNDS = 2
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A two-round job run to its end by one site."""
+    folder = tmp_path_factory.mktemp("finished")
+    cfg = h.job_config(name="ends", rounds={"total": ROUNDS, "max_sites": 1})
+    coord = h.start_coordinator(folder, cfg)
+    hashes = []
+    site = threading.Thread(target=lambda: hashes.append(h.drive_site(coord.address, "s0")))
+    site.start()
+    site.join(timeout=60)
+    try:
+        assert coord.wait(timeout=30) == 0, coord.log_tail()
+    finally:
+        coord.kill()
+    assert hashes, coord.log_tail()
+    return coord, hashes[0]
+
+
+def test_the_final_model_is_written_and_its_path_printed(finished):
+    coord, site_hash = finished
+    path = coord.state_dir / "final" / "model.safetensors"
+    assert f"job 'ends' complete; final model: {path}" in coord.log_path.read_text()
+    card = read_card(path)
+    assert (card.job, card.round, card.theta_sha256) == ("ends", ROUNDS, site_hash.hex())
+    assert card.model["factory"] == "coord_harness:tiny_model"
+    model = load_model(path)  # the [model] table's factory, theta loaded strictly
+    assert isinstance(model, h.TinyModel)
+    want = CheckpointStore(coord.state_dir, read_only=True).load_round(ROUNDS).theta
+    got = model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_export_a_kept_round(finished, tmp_path):
+    coord, _ = finished
+    out = tmp_path / "r1.safetensors"
+    result = h.run_cli(
+        "export", "--state-dir", str(coord.state_dir), "--round", "1", "--out", str(out)
+    )
+    assert result.returncode == 0, result.stderr
+    assert str(out) in result.stdout and "round 1" in result.stdout, result.stdout
+    want = CheckpointStore(coord.state_dir, read_only=True).load_round(1).theta
+    got = load_file(str(out))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    card = json.loads((tmp_path / "r1.json").read_text())
+    assert card["round"] == 1 and card["model"]["kwargs"] == {"d_in": 8}
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--round", "7"], ["no checkpoint of round 7", "kept: 0, 1, 2"]),
+        (["--out", "model.pt"], ["must end in .safetensors"]),
+        (["--out", "/nonexistent/m.safetensors"], ["no folder /nonexistent"]),
+    ],
+    ids=["round-not-kept", "not-safetensors", "no-folder"],
+)
+def test_export_refusals(finished, tmp_path, args, words):
+    coord, _ = finished
+    argv = ["export", "--state-dir", str(coord.state_dir), "--out", str(tmp_path / "m.safetensors")]
+    result = h.run_cli(*argv, *args)
+    assert result.returncode == 2
+    line = one_line_error(result)
+    assert all(w in line for w in words), line
+
+
+def test_export_from_a_folder_that_is_no_state_folder(tmp_path):
+    result = h.run_cli(
+        "export", "--state-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "m.safetensors")
+    )
+    assert result.returncode == 2
+    assert "holds no checkpoints" in one_line_error(result)
+    assert not (tmp_path / "nope").exists(), "export must create nothing"
