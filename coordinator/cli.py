@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -14,6 +15,13 @@ import grpc
 
 from coordinator.certs_cli import add_certs_parser, run_certs
 from coordinator.config import ConfigError, load_config
+from coordinator.job_end import (
+    already_complete,
+    complete_message,
+    read_completion,
+    signal_exit_code,
+    stopped_message,
+)
 from wire.channel import add_security_flags, bundle_from_flags, open_channel
 from wire.identity import IdentityError
 
@@ -73,17 +81,31 @@ def _serve(args) -> int:
     sys.path.insert(0, os.getcwd())
     if args.state_dir:
         cfg = dataclasses.replace(cfg, state_dir=Path(args.state_dir).absolute())
+    done = read_completion(cfg.state_dir)
+    if already_complete(done, cfg.name, cfg.rounds.total):
+        print(complete_message(done))
+        return 0
     try:
         tls = ServerTls(bundle, Path(args.crl) if args.crl else None) if bundle else None
         server = CoordinatorServer(cfg, args.listen, tls)
     except (StoreError, StrategyError) as exc:  # a wrong [strategy], state in use, damaged log
         raise StartError(str(exc)) from exc
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: server.stop())
+        signal.signal(sig, lambda signum, _: server.stop(signum))
     code = server.run()
+    if server.stopped_by is not None:
+        resume = shlex.join(["coordinator", "serve", "--config", args.config] + _state_flag(args))
+        rnd = server.core.state.round.number
+        message = stopped_message(server.stopped_by, rnd, cfg.rounds.total, cfg.state_dir, resume)
+        print(f"coordinator: {message}", file=sys.stderr)
+        return signal_exit_code(server.stopped_by)
     if code == 0 and server.final is not None:
         print(f"job {cfg.name!r} complete; final model: {server.final.path}")
     return code
+
+
+def _state_flag(args) -> list[str]:
+    return ["--state-dir", args.state_dir] if args.state_dir else []
 
 
 def _status(args) -> int:

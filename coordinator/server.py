@@ -19,6 +19,7 @@ from coordinator.call_gate import CallGate, CallLimits, method_handlers
 from coordinator.config import JobConfig
 from coordinator.core import CoordinatorCore
 from coordinator.export import Exported, export_model, final_model_path, write_model_card
+from coordinator.job_end import Completion, write_completion
 from coordinator.records import FatalError
 from coordinator.servicer import CoordinatorServicer
 from coordinator.store import StoreError, write_atomic
@@ -91,6 +92,7 @@ class CoordinatorServer:
         self.core = CoordinatorCore(cfg)
         write_model_card(cfg.state_dir, cfg.name, cfg.model)  # what `coordinator export` reads
         self.final: Exported | None = None
+        self.stopped_by: int | None = None  # the signal that stopped the job, if one did
         authorizer = Authorizer(revocations)
         servicer = CoordinatorServicer(self.core, authorizer)
         self.watchdog = CallWatchdog()
@@ -110,6 +112,7 @@ class CoordinatorServer:
         write_atomic(Path(self.cfg.state_dir) / "address", f"{self.address}\n".encode())
         log.info("coordinator for job %r listening on %s", self.cfg.name, self.address)
         finished_at: float | None = None
+        complete = False
         try:
             while not self.stop_event.is_set():
                 with self.core.wake:
@@ -127,6 +130,7 @@ class CoordinatorServer:
                         self._write_final()
                     if self._sites_gone(finished_at):
                         log.info("job %r finished; all sites have left", self.cfg.name)
+                        complete = self.final is not None
                         break
         finally:
             # Bounded: grpc can leave a call it failed to decode unfinished, and then the
@@ -136,6 +140,8 @@ class CoordinatorServer:
                 log.warning("gRPC calls still open after stop; exiting anyway")
             self.core.close()
             self.watchdog.stop()
+            if complete:
+                self._record_completion()
             self.close()
         return self.exit_code
 
@@ -152,6 +158,14 @@ class CoordinatorServer:
             self.exit_code = 3
             return
         log.info("final model (round %d) written to %s", rounds, self.final.path)
+
+    def _record_completion(self) -> None:
+        card = self.final.card
+        done = Completion(self.cfg.name, card.round, str(self.final.path), card.theta_sha256)
+        try:
+            write_completion(self.cfg.state_dir, done)
+        except OSError as exc:  # the model is written; a later start just serves it again
+            log.warning("could not record the job as complete: %s", exc)
 
     def close(self) -> None:
         """Let go of the state folder (``run`` does this when it returns)."""
@@ -177,7 +191,10 @@ class CoordinatorServer:
             return True
         return False
 
-    def stop(self) -> None:
+    def stop(self, signum: int | None = None) -> None:
+        """Stop serving; ``signum``: the signal that asked for it (the job did not finish)."""
+        if signum is not None and self.stopped_by is None:
+            self.stopped_by = signum
         self.stop_event.set()
         self.core.stopping.set()  # a write waiting for disk space gives up
 

@@ -1,8 +1,10 @@
-"""The end of a job: the final model file and ``coordinator export``."""
+"""The end of a job: the final model file, ``coordinator export``, a restart of a finished job,
+and a job stopped by a signal."""
 
 from __future__ import annotations
 
 import json
+import signal
 import threading
 
 import pytest
@@ -17,6 +19,7 @@ except ImportError:
     from test_coordinator_cli import one_line_error
 
 from coordinator.export import load_model, read_card
+from coordinator.job_end import already_complete, signal_exit_code, stopped_message
 from coordinator.store import CheckpointStore
 
 pytestmark = pytest.mark.e2e
@@ -53,6 +56,16 @@ def test_the_final_model_is_written_and_its_path_printed(finished):
     want = CheckpointStore(coord.state_dir, read_only=True).load_round(ROUNDS).theta
     got = model.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_restarting_a_finished_job_says_so_and_exits_0(finished):
+    coord, _ = finished
+    result = h.run_cli("serve", "--config", str(coord.config_path), "--insecure", timeout=30)
+    assert result.returncode == 0, result.stderr
+    line = result.stdout.strip()
+    final = coord.state_dir / "final" / "model.safetensors"
+    assert line.startswith("job 'ends' is complete (2 rounds); final model: "), line
+    assert str(final) in line, line
 
 
 def test_export_a_kept_round(finished, tmp_path):
@@ -95,3 +108,30 @@ def test_export_from_a_folder_that_is_no_state_folder(tmp_path):
     assert result.returncode == 2
     assert "holds no checkpoints" in one_line_error(result)
     assert not (tmp_path / "nope").exists(), "export must create nothing"
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_stops_a_running_job_non_zero_saying_how_to_resume(tmp_path, sig, code):
+    coord = h.start_coordinator(tmp_path, h.job_config(name="stopped"))
+    try:
+        coord.kill(sig)
+        assert coord.proc.returncode == code, coord.log_tail()
+    finally:
+        coord.kill()
+    last = coord.log_tail().splitlines()[-1]
+    assert last.startswith(f"coordinator: stopped by {sig.name} in round 0 of 3"), last
+    assert f"resume with `coordinator serve --config {coord.config_path}`" in last, last
+    assert not (coord.state_dir / "complete.json").exists()
+
+
+def test_completion_and_exit_rules():
+    from coordinator.job_end import Completion
+
+    done = Completion("j", 5, "final/model.safetensors", "ab" * 32)
+    assert already_complete(done, "j", 5)
+    assert not already_complete(done, "j", 8), "more rounds configured: train on"
+    assert not already_complete(done, "other", 5)
+    assert not already_complete(None, "j", 5)
+    assert (signal_exit_code(signal.SIGINT), signal_exit_code(signal.SIGTERM)) == (130, 143)
+    text = stopped_message(signal.SIGTERM, 5, 5, "st", "coordinator serve --config j.toml")
+    assert "after the last round" in text
