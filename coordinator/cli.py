@@ -1,4 +1,8 @@
-"""``coordinator``: serve a job, or show the status of a running one."""
+"""``coordinator``: serve a job, or show the status of a running one.
+
+Only the standard library and small modules load before the command line is parsed: torch and
+grpc are imported by the command that needs them, so ``--help`` and usage errors are instant.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-import grpc
-
 from coordinator.certs_cli import add_certs_parser, run_certs
-from coordinator.config import ConfigError, load_config
 from coordinator.job_end import (
     already_complete,
     complete_message,
@@ -22,8 +23,10 @@ from coordinator.job_end import (
     signal_exit_code,
     stopped_message,
 )
-from wire.channel import add_security_flags, bundle_from_flags, open_channel
+from wire.config_table import ConfigError
+from wire.grpc_options import quiet_grpc
 from wire.identity import IdentityError
+from wire.security_flags import add_security_flags, bundle_from_flags
 
 
 class StartError(Exception):
@@ -70,6 +73,8 @@ def _export(args) -> int:
 
 
 def _serve(args) -> int:
+    from coordinator.config import load_config
+
     cfg = load_config(args.config)  # before the slow torch import: config errors come fast
     bundle = bundle_from_flags(args)
     from coordinator.server import CoordinatorServer, ServerTls  # torch import: only for serve
@@ -109,24 +114,21 @@ def _state_flag(args) -> list[str]:
 
 
 def _status(args) -> int:
+    import grpc
+
     from coordinator.status import format_status
+    from wire.channel import open_channel
     from wire.proto import isthmus_pb2 as pb
     from wire.proto import isthmus_pb2_grpc as pb_grpc
 
-    with open_channel(args.coordinator, bundle_from_flags(args)) as channel:
+    bundle = bundle_from_flags(args)
+    with open_channel(args.coordinator, bundle) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
         try:
             reply = stub.Status(pb.StatusRequest(), timeout=args.timeout)
         except grpc.RpcError as exc:
-            hint = (
-                exc.details()
-                if exc.code()
-                in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
-                else "is `coordinator serve` running there, and do its TLS settings match?"
-            )
             print(
-                f"coordinator: error: no answer from {args.coordinator} "
-                f"({exc.code().name}): {hint}",
+                f"coordinator: error: {_status_failure(args.coordinator, exc, bundle)}",
                 file=sys.stderr,
             )
             return 1
@@ -134,7 +136,28 @@ def _status(args) -> int:
     return 0
 
 
+def _status_failure(address: str, exc, bundle) -> str:
+    """The one line a failed ``Status`` (``exc``, a ``grpc.RpcError``) prints: refused, a TLS
+    problem, or no answer."""
+    import grpc
+
+    from wire.tls_probe import diagnose, looks_like_tls
+
+    code = exc.code()
+    if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+        return f"{address} refused the call ({code.name}): {exc.details()}"
+    if code == grpc.StatusCode.UNAVAILABLE and bundle and looks_like_tls(exc.details()):
+        problem = diagnose(address, bundle)
+        if problem is not None:
+            return f"cannot talk to {address}: {problem.message}"
+    return (
+        f"no answer from {address} ({code.name}): is `coordinator serve` running there, "
+        "and do its TLS settings match?"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_grpc()
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "INFO"),

@@ -14,8 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-from wire.channel import add_security_flags, bundle_from_flags
+from wire.grpc_options import quiet_grpc
 from wire.identity import IdentityError
+from wire.security_flags import add_security_flags, bundle_from_flags
 
 USAGE_HINT = "see `siteclient start --help`"
 
@@ -108,11 +109,7 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         client.backoff = BackoffPolicy(initial_s=0.5, cap_s=15.0, deadline_s=args.outage_timeout)
     except (CoordinatorError, DeadlineExceeded) as exc:
         agent.stop(leave=False)
-        print(
-            f"siteclient: error: cannot join the job at {args.coordinator}: {_one_line(exc)} "
-            "(is `coordinator serve` running there, and is --coordinator right?)",
-            file=sys.stderr,
-        )
+        print(f"siteclient: error: {join_failure(args.coordinator, exc)}", file=sys.stderr)
         return 1
     os.environ.update(
         ISTHMUS_AGENT_SOCKET=str(cfg.shm_dir / "agent.sock"),
@@ -134,6 +131,20 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
     return 0
 
 
+def join_failure(address: str, exc: BaseException) -> str:
+    """The one line a failed join prints: a TLS problem and a refusal are not outages."""
+    from site_client.errors import CoordinatorError, TlsRefused
+
+    if isinstance(exc, TlsRefused):
+        return f"cannot join the job at {address}: {exc}"
+    if isinstance(exc, CoordinatorError):
+        return f"the coordinator at {address} refused the join: {_one_line(exc)}"
+    return (
+        f"cannot join the job at {address}: {_one_line(exc)} "
+        "(is `coordinator serve` running there, and is --coordinator right?)"
+    )
+
+
 def _one_line(exc: BaseException) -> str:
     """A gRPC error's own words rather than its multi-line repr."""
     import grpc
@@ -146,6 +157,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_grpc()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         ours_part = argv[: argv.index("--")] if "--" in argv else argv

@@ -118,8 +118,17 @@ def coordinator_command() -> list[str]:
 
 
 def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return _run([*coordinator_command(), *args], timeout)
+
+
+def run_cli_module(module: str, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """``python -m module args`` (``site_client.cli``, ...) as ``run_cli`` runs ``coordinator``."""
+    return _run([sys.executable, "-m", module, *args], timeout)
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [*coordinator_command(), *args],
+        cmd,
         cwd=REPO,
         env=subprocess_env(),
         capture_output=True,
