@@ -23,10 +23,9 @@ from coordinator.job_end import (
     signal_exit_code,
     stopped_message,
 )
-from wire.config_table import ConfigError
-from wire.grpc_options import quiet_grpc
+from wire.cli_flags import add_security_flags, add_version_flag, bundle_from_flags, quiet_grpc
+from wire.config_table import ConfigError, check_listen
 from wire.identity import IdentityError
-from wire.security_flags import add_security_flags, bundle_from_flags
 
 
 class StartError(Exception):
@@ -35,11 +34,19 @@ class StartError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="coordinator", description="The isthmus coordinator.")
+    add_version_flag(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser("serve", help="run the coordinator of a job")
     serve.add_argument("--config", required=True, help="the job's TOML config file")
     serve.add_argument("--listen", help="HOST:PORT to listen on (overrides server.listen)")
     serve.add_argument("--state-dir", help="state folder (overrides job.state_dir)")
+    serve.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TABLE.KEY=VALUE",
+        help="override a job.toml key, checked like the file (repeat for several)",
+    )
     serve.add_argument("--crl", metavar="FILE", help="the CA's revocation list (reread live)")
     add_security_flags(serve, "the coordinator")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
@@ -75,7 +82,9 @@ def _export(args) -> int:
 def _serve(args) -> int:
     from coordinator.config import load_config
 
-    cfg = load_config(args.config)  # before the slow torch import: config errors come fast
+    if args.listen and (problem := check_listen(args.listen)):
+        raise ConfigError(f"--listen {args.listen}: {problem}")
+    cfg = load_config(args.config, args.set)
     bundle = bundle_from_flags(args)
     from coordinator.server import CoordinatorServer, ServerTls  # torch import: only for serve
     from coordinator.store import StoreError
@@ -99,7 +108,7 @@ def _serve(args) -> int:
         signal.signal(sig, lambda signum, _: server.stop(signum))
     code = server.run()
     if server.stopped_by is not None:
-        resume = shlex.join(["coordinator", "serve", "--config", args.config] + _state_flag(args))
+        resume = shlex.join(["coordinator", "serve", "--config", args.config] + _resume_flags(args))
         rnd = server.core.state.round.number
         message = stopped_message(server.stopped_by, rnd, cfg.rounds.total, cfg.state_dir, resume)
         print(f"coordinator: {message}", file=sys.stderr)
@@ -109,8 +118,10 @@ def _serve(args) -> int:
     return code
 
 
-def _state_flag(args) -> list[str]:
-    return ["--state-dir", args.state_dir] if args.state_dir else []
+def _resume_flags(args) -> list[str]:
+    """The flags of this ``serve`` that a resume must repeat to find the same job."""
+    flags = ["--state-dir", args.state_dir] if args.state_dir else []
+    return flags + [f for kv in args.set for f in ("--set", kv)]
 
 
 def _status(args) -> int:

@@ -14,11 +14,28 @@ import os
 import sys
 from pathlib import Path
 
-from wire.grpc_options import quiet_grpc
+from wire.cli_flags import (
+    add_security_flags,
+    add_version_flag,
+    bundle_from_flags,
+    env_defaults,
+    quiet_grpc,
+)
 from wire.identity import IdentityError
-from wire.security_flags import add_security_flags, bundle_from_flags
 
 USAGE_HINT = "see `siteclient start --help`"
+# Every flag of the agent's own has a variable, as torchrun's launch flags have PET_*.
+ENV = {
+    "--coordinator": "ISTHMUS_COORDINATOR",
+    "--site": "ISTHMUS_SITE",
+    "--run-dir": "ISTHMUS_RUN_DIR",
+    "--inner-steps": "ISTHMUS_INNER_STEPS",
+    "--connect-timeout": "ISTHMUS_CONNECT_TIMEOUT",
+    "--outage-timeout": "ISTHMUS_OUTAGE_TIMEOUT",
+    "--log-level": "ISTHMUS_LOG_LEVEL",
+    "--tls-dir": "ISTHMUS_TLS_DIR",
+    "--insecure": "ISTHMUS_INSECURE",
+}
 
 
 class UsageError(Exception):
@@ -32,6 +49,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="siteclient", description="The isthmus site agent.")
+    add_version_flag(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     s = sub.add_parser(
         "start",
@@ -67,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     add_security_flags(s, "this site")
+    env_defaults(s, ENV, os.environ)
     return p
 
 

@@ -121,16 +121,19 @@ def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     return _run([*coordinator_command(), *args], timeout)
 
 
-def run_cli_module(module: str, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    """``python -m module args`` (``site_client.cli``, ...) as ``run_cli`` runs ``coordinator``."""
-    return _run([sys.executable, "-m", module, *args], timeout)
+def run_cli_module(
+    module: str, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m module args`` (``site_client.cli``, ...) as ``run_cli`` runs ``coordinator``;
+    ``env``: variables set on top of the test's environment."""
+    return _run([sys.executable, "-m", module, *args], timeout, env)
 
 
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None):
     return subprocess.run(
         cmd,
         cwd=REPO,
-        env=subprocess_env(),
+        env={**subprocess_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import grpc
 
+# Re-exported: the flags used to live here.
+from wire.cli_flags import INSECURE_WARNING, add_security_flags, bundle_from_flags
 from wire.grpc_options import channel_options
 from wire.identity import Bundle
-
-# Re-exported: the flags used to live here.
-from wire.security_flags import INSECURE_WARNING, add_security_flags, bundle_from_flags
 
 __all__ = ["INSECURE_WARNING", "add_security_flags", "bundle_from_flags", "open_channel"]
 

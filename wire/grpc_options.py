@@ -11,8 +11,6 @@ concurrent upload then holds tens of MiB.
 
 from __future__ import annotations
 
-import os
-
 MAX_MESSAGE_BYTES = 32 << 20
 
 _COMMON = [
@@ -52,9 +50,3 @@ def server_options(receive_window_bytes: int = 0) -> list[tuple[str, int]]:
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.so_reuseport", 0),
     ]
-
-
-def quiet_grpc() -> None:
-    """gRPC's own INFO lines (each failed TLS handshake) would come before the one-line error
-    a command prints; keep its errors. Read when grpc is first imported, so called first."""
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
