@@ -99,7 +99,13 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
 def _start(args, launch_flags: list[str], command: list[str]) -> int:
     from site_client.agent import AgentConfig, SiteAgent, default_shm_dir
     from site_client.coordinator_client import CoordinatorClient, CoordinatorError
-    from site_client.launcher import LaunchError, nproc_per_node, parse_launch_args, run_trainers
+    from site_client.launcher import (
+        LaunchError,
+        TrainersFailed,
+        nproc_per_node,
+        parse_launch_args,
+        run_trainers,
+    )
     from wire.backoff import BackoffPolicy, DeadlineExceeded
 
     try:
@@ -136,8 +142,13 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         ISTHMUS_SITE=args.site,
     )
     try:
-        run_trainers(launch)
-    except BaseException as exc:  # ChildFailedError, SignalException, KeyboardInterrupt
+        run_trainers(launch, args.site, run_dir / "trainer_logs")
+    except TrainersFailed as exc:
+        agent.stop(leave=True)
+        report = f"siteclient: error: {agent.error}" if agent.error else exc.report
+        print(report, file=sys.stderr)
+        return 1
+    except BaseException as exc:  # SignalException, KeyboardInterrupt
         agent.stop(leave=True)
         reason = agent.error or f"{type(exc).__name__}: {str(exc).strip().splitlines()[0:1]}"
         print(f"siteclient: error: trainers of site {args.site} failed: {reason}", file=sys.stderr)
