@@ -202,6 +202,7 @@ class CoordinatorCore:
         }
         if self.data.kind == "shared":
             info["data_unit"] = unit
+        info["site_index"], info["num_sites"] = site_position(site, s.round.participants)
         return info
 
     def snapshot(self) -> StatusSnapshot:
@@ -344,3 +345,10 @@ class CoordinatorCore:
         self.pipeline.run(step.order)
         self.sink.flush()
         return True
+
+
+def site_position(site: str | None, participants) -> tuple[int, int]:
+    """``site``'s index among ``participants`` sorted by name, and their number; index 0 for
+    a site that is not one of them (it has no shard this round)."""
+    ordered = sorted(participants)
+    return (ordered.index(site) if site in ordered else 0), len(ordered)

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     serve += ["--state-dir", str(run / "coordinator")]
     serve += ["--tls-dir", str(pki / "coordinator"), "--crl", str(pki / "crl.pem")]
     spawn("coordinator", [py, "-m", "coordinator.cli", *serve])
-    for i, site in enumerate(sites):
+    for site in sites:
         spawn(
             site,
             [
@@ -133,10 +133,6 @@ def main(argv=None) -> int:
                 str(args.nproc_per_node),
                 "--",
                 str(HERE / "train.py"),
-                "--site-index",
-                str(i),
-                "--num-sites",
-                str(args.sites),
             ],
         )
 

@@ -3,14 +3,16 @@
 Run it under the site agent, which starts one copy per rank::
 
     siteclient start --coordinator HOST:PORT --site site-0 --nproc-per-node 2 \\
-        -- examples/gpt_diloco/train.py --site-index 0 --num-sites 3
+        -- examples/gpt_diloco/train.py
 
 The model's shape comes from the job config (``[model] kwargs``), so it always matches theta.
 Each round it reports the validation loss of the global theta_r it starts from, trains H inner
 steps with AdamW and hands the pseudo-gradient to the agent. It reads its own shard of the
-corpus in federated mode, and in shared-data mode (``[data] mode = "shared"``) the unit of the
-shared stream the coordinator assigned, backup copies of other sites' units included; a unit
-committed elsewhere first is abandoned mid-way.
+corpus in federated mode (shard ``rnd.site_index`` of ``rnd.num_sites``: the site's place among
+the round's participants, unless ``--site-index``/``--num-sites`` fix it), and in shared-data
+mode (``[data] mode = "shared"``) the unit of the shared stream the coordinator assigned,
+backup copies of other sites' units included; a unit committed elsewhere first is abandoned
+mid-way.
 """
 
 from __future__ import annotations
@@ -33,15 +35,17 @@ from site_client.trainer import SiteSession
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--site-index", type=int, required=True)
-    p.add_argument("--num-sites", type=int, required=True)
+    p.add_argument("--site-index", type=int, help="fixed corpus shard (default: the session's)")
+    p.add_argument("--num-sites", type=int, help="fixed shard count (default: the session's)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per site per inner step")
     p.add_argument("--lr", type=float, default=2e-3, help="inner AdamW learning rate")
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--corpus-bytes", type=int, default=4 << 20)
     p.add_argument("--checkpoint-every", type=int, default=0, help="inner steps; 0 = per round")
     args = p.parse_args(argv)
-    if not 0 <= args.site_index < args.num_sites:
+    if (args.site_index is None) != (args.num_sites is None):
+        p.error("give both --site-index and --num-sites, or neither")
+    if args.num_sites is not None and not 0 <= args.site_index < args.num_sites:
         p.error(f"--site-index must be in [0, {args.num_sites}), got {args.site_index}")
     return args
 
@@ -69,9 +73,10 @@ def main(argv=None) -> None:
         losses = []
         for step in rnd.steps():
             if rnd.data_unit_index is None:
+                fixed = args.num_sites is not None
                 inputs, targets = corpus.site_batch(
-                    args.site_index,
-                    args.num_sites,
+                    args.site_index if fixed else rnd.site_index,
+                    args.num_sites if fixed else rnd.num_sites,
                     rnd.number,
                     step,
                     session.rank,
