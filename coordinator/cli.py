@@ -86,6 +86,7 @@ def _serve(args) -> int:
         raise ConfigError(f"--listen {args.listen}: {problem}")
     cfg = load_config(args.config, args.set)
     bundle = bundle_from_flags(args)
+    from coordinator.model_source import FactoryImportError, import_hint
     from coordinator.server import CoordinatorServer, ServerTls  # torch import: only for serve
     from coordinator.store import StoreError
     from strategies import StrategyError
@@ -104,6 +105,10 @@ def _serve(args) -> int:
         server = CoordinatorServer(cfg, args.listen, tls)
     except (StoreError, StrategyError) as exc:  # a wrong [strategy], state in use, damaged log
         raise StartError(str(exc)) from exc
+    except FactoryImportError as exc:
+        where = Path(args.config).resolve().parent
+        hint = import_hint(exc.module, exc.missing, where, Path.cwd())
+        raise StartError(f"{exc}; {hint}") from exc
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: server.stop(signum))
     code = server.run()

@@ -117,22 +117,26 @@ def coordinator_command() -> list[str]:
     return [sys.executable, "-m", "coordinator.cli"]
 
 
-def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    return _run([*coordinator_command(), *args], timeout)
+def run_cli(*args: str, timeout: float = 60.0, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return _run([*coordinator_command(), *args], timeout, cwd=cwd)
 
 
 def run_cli_module(
-    module: str, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None
+    module: str,
+    *args: str,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO,
 ) -> subprocess.CompletedProcess:
     """``python -m module args`` (``site_client.cli``, ...) as ``run_cli`` runs ``coordinator``;
     ``env``: variables set on top of the test's environment."""
-    return _run([sys.executable, "-m", module, *args], timeout, env)
+    return _run([sys.executable, "-m", module, *args], timeout, env, cwd)
 
 
-def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None):
+def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO):
     return subprocess.run(
         cmd,
-        cwd=REPO,
+        cwd=cwd,
         env={**subprocess_env(), **(env or {})},
         capture_output=True,
         text=True,
