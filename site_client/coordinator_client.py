@@ -77,6 +77,8 @@ class CoordinatorClient:
         self.control_channel = open_channel(address, tls, own_connection=True)
         self.control = pb_grpc.CoordinatorStub(self.control_channel)
         self.lease: pb.Lease | None = None
+        # Set by ``leave``: a call still in flight then (a heartbeat) must not join again.
+        self.left = False
         self.join_reply: pb.JoinReply | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -104,6 +106,8 @@ class CoordinatorClient:
         tls_problem: list[TlsProblem] = []
 
         def attempt():
+            if self.left and describe not in ("join", "status"):
+                raise CoordinatorError(None, f"{describe}: this site has left the job")
             if self.lease is None and describe not in ("join", "status"):
                 self._join_once()
             try:
@@ -181,6 +185,7 @@ class CoordinatorClient:
         return reply
 
     def join(self) -> pb.JoinReply:
+        self.left = False
         return self.call("join", self._join_once)
 
     def heartbeat(self, progress: pb.Progress | None = None) -> pb.HeartbeatReply:
@@ -193,6 +198,7 @@ class CoordinatorClient:
         )
 
     def leave(self, reason: str = "") -> None:
+        self.left = True
         if self.lease is None:
             return
         try:

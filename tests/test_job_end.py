@@ -135,3 +135,21 @@ def test_completion_and_exit_rules():
     assert (signal_exit_code(signal.SIGINT), signal_exit_code(signal.SIGTERM)) == (130, 143)
     text = stopped_message(signal.SIGTERM, 5, 5, "st", "coordinator serve --config j.toml")
     assert "after the last round" in text
+
+
+def test_a_call_in_flight_after_leave_does_not_join_again(tmp_path):
+    """A heartbeat sent while the agent leaves comes back refused ("holds no lease"): it must
+    not re-join, or the coordinator waits for a site that is gone."""
+    from site_client.coordinator_client import CoordinatorClient, CoordinatorError
+
+    coord = h.start_coordinator(tmp_path, h.job_config(name="leaving"))
+    client = CoordinatorClient(coord.address, "s0", backoff=h.FAST_BACKOFF)
+    try:
+        client.join()
+        client.leave("done")
+        with pytest.raises(CoordinatorError, match="has left the job"):
+            client.heartbeat()
+        assert {s.site: s.state for s in h.status(coord.address).sites} == {"s0": "left"}
+    finally:
+        client.close()
+        coord.kill()
