@@ -19,6 +19,8 @@ from pathlib import Path
 USAGE_EXIT = 2
 TAIL_LINES = 12
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)')
+# torch prefixes what a distributed rank prints as it dies ("[rank0]: Traceback ...").
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b.*")
 
 
@@ -49,7 +51,8 @@ def restartable(exitcodes: list[int]) -> bool:
 
 def root_cause(lines: tuple[str, ...]) -> RootCause:
     """The last traceback's exception and innermost frame; else the last non-empty line."""
-    lines = tuple(line.rstrip() for line in lines if line.strip())
+    lines = tuple(_RANK_PREFIX.sub("", line).rstrip() for line in lines)
+    lines = tuple(line for line in lines if line.strip())
     if not lines:
         return RootCause("(nothing on stderr)")
     start = max((i for i, x in enumerate(lines) if x.startswith("Traceback")), default=None)

@@ -96,6 +96,8 @@ def test_root_cause_rules():
     cause = root_cause(traceback)
     assert (cause.summary, cause.where) == ("RuntimeError: bad", "/x/lib.py:3")
     assert root_cause(("usage: t", "t: error: no")).summary == "t: error: no"
+    prefixed = tuple(f"[rank1]: {x}" for x in traceback)
+    assert root_cause(prefixed) == cause, "torch's rank prefix"
     assert root_cause(()).summary == "(nothing on stderr)"
     assert not restartable([2, 1]) and restartable([1, -9])
     killed = TrainerFailure(3, 1, 99, -9, None)
