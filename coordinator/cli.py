@@ -23,6 +23,7 @@ from coordinator.job_end import (
     signal_exit_code,
     stopped_message,
 )
+from coordinator.local_cli import add_local_parser, run_local, split_script
 from wire.cli_flags import add_security_flags, add_version_flag, bundle_from_flags, quiet_grpc
 from wire.config_table import ConfigError, check_listen
 from wire.identity import IdentityError
@@ -60,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--state-dir", required=True, metavar="DIR", help="the job's state folder")
     export.add_argument("--round", type=int, metavar="N", help="the checkpoint (default: newest)")
     export.add_argument("--out", required=True, metavar="FILE", help="NAME.safetensors to write")
+    add_local_parser(sub)
     add_certs_parser(sub)
     return p
 
@@ -174,6 +176,10 @@ def _status_failure(address: str, exc, bundle) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     quiet_grpc()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script: list[str] = []
+    if argv[:1] == ["local"]:
+        argv, script = split_script(argv)
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "INFO"),
@@ -181,7 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        commands = {"certs": run_certs, "serve": _serve, "status": _status, "export": _export}
+        commands = {
+            "certs": run_certs,
+            "serve": _serve,
+            "status": _status,
+            "export": _export,
+            "local": lambda a: run_local(a, script),
+        }
         return commands[args.command](args)
     except (ConfigError, StartError, IdentityError, OSError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
