@@ -30,14 +30,14 @@ SMALL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32}
 TRAIN_ARGS = ["--batch-size", "4", "--eval-batches", "1", "--corpus-bytes", str(1 << 20)]
 
 
-def local_command(run_dir, rounds: int, steps: int = 3) -> list[str]:
+def local_command(run_dir, rounds: int, steps: int = 3, script: str = "train.py") -> list[str]:
     kwargs = ", ".join(f"{k} = {v}" for k, v in SMALL.items())
     sets = [f"rounds.total={rounds}", f"rounds.inner_steps={steps}", "rounds.join_window_s=1",
             f"model.kwargs={{ {kwargs} }}"]  # fmt: skip
     cmd = [sys.executable, "-m", "coordinator.cli", "local", "--sites", "2"]
     cmd += ["--config", str(EXAMPLE / "job.toml"), "--run-dir", str(run_dir)]
     cmd += [f for kv in sets for f in ("--set", kv)]
-    return cmd + ["--", str(EXAMPLE / "train.py"), *TRAIN_ARGS]
+    return cmd + ["--", str(EXAMPLE / script), *TRAIN_ARGS]
 
 
 def run(cmd, timeout=240) -> subprocess.CompletedProcess:
@@ -46,9 +46,17 @@ def run(cmd, timeout=240) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_local_job_ends_with_a_model_the_example_loads(tmp_path):
+@pytest.fixture(scope="module")
+def explicit(tmp_path_factory):
+    """A two-round job of the example's explicit ``rounds()``/``steps()`` form."""
+    tmp_path = tmp_path_factory.mktemp("explicit")
     result = run(local_command(tmp_path / "run", rounds=2))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return tmp_path, result
+
+
+def test_a_local_job_ends_with_a_model_the_example_loads(explicit):
+    tmp_path, result = explicit
     out = result.stdout
     assert "round 1/2 closed" in out and "round 2/2 closed" in out, out
     final = tmp_path / "run" / "coordinator" / "final" / "model.safetensors"
@@ -71,6 +79,26 @@ def test_a_local_job_ends_with_a_model_the_example_loads(tmp_path):
     for site in ("site-0", "site-1"):
         lines = (tmp_path / "run" / site / "metrics.jsonl").read_text().splitlines()
         assert {json.loads(x)["site"] for x in lines} == {site}
+
+
+def test_the_loop_form_trains_the_same_model(explicit, tmp_path):
+    """examples/gpt_diloco/train_loop.py (``SiteLoop`` around an ordinary loop) against the
+    explicit form: the same table and the same final theta, bit for bit."""
+    result = run(local_command(tmp_path / "run", rounds=2, script="train_loop.py"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    def card_and_table(folder, out: str):
+        card = read_card(folder / "run" / "coordinator" / "final" / "model.safetensors")
+        words = [x.split() for x in out.splitlines()]
+        rows = [
+            w for w in words if w[:2] == ["round", "train_loss"] or w[:1] in (["0"], ["1"], ["2"])
+        ]
+        return card.theta_sha256, rows
+
+    explicit_dir, explicit_result = explicit
+    want = card_and_table(explicit_dir, explicit_result.stdout)
+    assert card_and_table(tmp_path, result.stdout) == want
+    assert len(want[1]) == 4, want
 
 
 def test_ctrl_c_stops_every_process_and_the_same_command_resumes(tmp_path):

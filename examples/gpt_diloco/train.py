@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file by the launcher: make the repository importable
@@ -28,9 +29,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from examples.gpt_diloco.data import CorpusConfig, evaluate, load_corpus
+from examples.gpt_diloco.data import Corpus, CorpusConfig, evaluate, load_corpus
 from examples.gpt_diloco.model import build_model, lm_loss, transformer_blocks
 from site_client.trainer import SiteSession
+from site_client.trainer_round import Round
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,7 +52,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> None:
+@dataclass(frozen=True)
+class Setup:
+    """What both forms of the loop train with (this file's, and ``train_loop.py``'s)."""
+
+    args: argparse.Namespace
+    session: SiteSession
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    corpus: Corpus
+
+
+def setup(argv=None) -> Setup:
+    """The session, the FSDP2-sharded model shaped by the job's ``[model] kwargs``, AdamW, and
+    the corpus."""
     args = parse_args(argv)
     torch.set_num_threads(1)
     session = SiteSession(backend="gloo", checkpoint_every=args.checkpoint_every)
@@ -63,35 +78,62 @@ def main(argv=None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     seq_len = model.config.seq_len
     corpus = load_corpus(CorpusConfig(max_bytes=args.corpus_bytes, seq_len=seq_len))
+    return Setup(args, session, model, optimizer, corpus)
 
-    evaluated = -1
-    for rnd in session.rounds(model, optimizer):
-        if rnd.start_step == 0 and rnd.number != evaluated:  # once per theta_r, not per unit
-            val = evaluate(model, corpus, args.eval_batches, args.batch_size)
-            rnd.report(val_loss=val)
-            evaluated = rnd.number
+
+def batch(s: Setup, rnd: Round, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch for ``step`` of ``rnd``: the site's shard of the corpus (federated),
+    or the unit's slice of the shared stream (shared-data mode)."""
+    args, session = s.args, s.session
+    if rnd.data_unit_index is not None:
+        return s.corpus.unit_batch(
+            rnd.data_unit_index,
+            step,
+            rnd.inner_steps,
+            session.rank,
+            session.world_size,
+            args.batch_size,
+        )
+    fixed = args.num_sites is not None
+    return s.corpus.site_batch(
+        args.site_index if fixed else rnd.site_index,
+        args.num_sites if fixed else rnd.num_sites,
+        rnd.number,
+        step,
+        session.rank,
+        session.world_size,
+        args.batch_size,
+    )
+
+
+class ValLoss:
+    """Reports the validation loss of theta_r as a round starts: once per round (not per
+    unit of it, nor again after a restart mid-round)."""
+
+    def __init__(self, s: Setup) -> None:
+        self.s, self.last = s, -1
+
+    def __call__(self, rnd: Round) -> None:
+        if rnd.start_step == 0 and rnd.number != self.last:
+            s = self.s
+            rnd.report(val_loss=evaluate(s.model, s.corpus, s.args.eval_batches, s.args.batch_size))
+            self.last = rnd.number
+
+
+def finish(s: Setup) -> None:
+    final = evaluate(s.model, s.corpus, s.args.eval_batches, s.args.batch_size)
+    s.session.report(round=s.session.final.round, val_loss=final, final=1)
+    s.session.close()
+
+
+def main(argv=None) -> None:
+    s = setup(argv)
+    model, optimizer, val_loss = s.model, s.optimizer, ValLoss(s)
+    for rnd in s.session.rounds(model, optimizer):
+        val_loss(rnd)
         losses = []
         for step in rnd.steps():
-            if rnd.data_unit_index is None:
-                fixed = args.num_sites is not None
-                inputs, targets = corpus.site_batch(
-                    args.site_index if fixed else rnd.site_index,
-                    args.num_sites if fixed else rnd.num_sites,
-                    rnd.number,
-                    step,
-                    session.rank,
-                    session.world_size,
-                    args.batch_size,
-                )
-            else:
-                inputs, targets = corpus.unit_batch(
-                    rnd.data_unit_index,
-                    step,
-                    rnd.inner_steps,
-                    session.rank,
-                    session.world_size,
-                    args.batch_size,
-                )
+            inputs, targets = batch(s, rnd, step)
             loss = lm_loss(model(inputs), targets)
             loss.backward()
             optimizer.step()
@@ -100,10 +142,7 @@ def main(argv=None) -> None:
             losses.append(rnd.loss)
         if losses and not rnd.cancelled:
             rnd.report(train_loss=sum(losses) / len(losses))
-
-    final = evaluate(model, corpus, args.eval_batches, args.batch_size)
-    session.report(round=session.final.round, val_loss=final, final=1)
-    session.close()
+    finish(s)
 
 
 if __name__ == "__main__":
