@@ -20,7 +20,14 @@ from coordinator.local_job import (
     site_names,
     wait_listening,
 )
-from coordinator.local_report import by_round, hash_check, plot, read_metrics, round_line
+from coordinator.local_report import (
+    by_round,
+    environment,
+    hash_check,
+    plot,
+    read_metrics,
+    round_line,
+)
 from coordinator.local_report import summary_table as table
 
 POLL_S = 0.5
@@ -207,6 +214,7 @@ def _summary(plan: LocalPlan, console, started: float) -> int:
     check = hash_check(plan.run_dir, plan.sites, card.theta_sha256)
     console.print(f"\nfinal model: {final} (round {card.round})", markup=False)
     console.print(check.line())
+    console.print(environment(), markup=False)
     png = plot(rounds, plan.run_dir / "metrics.png", f"{len(plan.sites)} local sites")
     elapsed = f"elapsed {time.monotonic() - started:.0f}s"
     console.print(elapsed + (f"; plots in {png}" if png else ""))

@@ -97,6 +97,19 @@ def hash_check(run_dir: Path, sites: Iterable[str], coordinator_hash: str) -> Ha
     return HashCheck(coordinator_hash, found)
 
 
+def environment() -> str:
+    """What, besides the job, the numbers depend on, as seen from this machine."""
+    import platform
+
+    import torch
+
+    return (
+        f"reproducible with: torch {torch.__version__}, CPU kernels "
+        f"{torch.backends.cpu.get_cpu_capability()}, Python {platform.python_version()} "
+        "(and the same config, sites, trainers per site and data)"
+    )
+
+
 def plot(rounds: dict[int, dict[str, float]], out: Path, title: str) -> Path | None:
     """Each metric against the round, as a PNG; None without matplotlib or metrics."""
     try:

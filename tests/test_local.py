@@ -101,6 +101,18 @@ def test_the_loop_form_trains_the_same_model(explicit, tmp_path):
     assert len(want[1]) == 4, want
 
 
+def test_the_same_job_twice_gives_the_same_model(explicit, tmp_path):
+    """The README's claim, run to run on one machine: the same table, the same final theta."""
+    result = run(local_command(tmp_path / "run", rounds=2))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    again = read_card(tmp_path / "run" / "coordinator" / "final" / "model.safetensors")
+    first = read_card(explicit[0] / "run" / "coordinator" / "final" / "model.safetensors")
+    assert again.theta_sha256 == first.theta_sha256
+    table = [x for x in result.stdout.splitlines() if x[:5].strip().isdigit()]
+    assert table == [x for x in explicit[1].stdout.splitlines() if x[:5].strip().isdigit()]
+    assert "reproducible with: torch " in result.stdout and "CPU kernels " in result.stdout
+
+
 def test_ctrl_c_stops_every_process_and_the_same_command_resumes(tmp_path):
     cmd = local_command(tmp_path / "run", rounds=3, steps=20)
     proc = subprocess.Popen(

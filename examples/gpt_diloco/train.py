@@ -78,6 +78,13 @@ def setup(argv=None) -> Setup:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     seq_len = model.config.seq_len
     corpus = load_corpus(CorpusConfig(max_bytes=args.corpus_bytes, seq_len=seq_len))
+    if session.rank == 0:  # what the losses depend on besides the job: see the README
+        print(
+            f"[{session.site}] corpus {corpus.fingerprint} ({len(corpus.train)} + "
+            f"{len(corpus.val)} bytes of {corpus.root}); torch {torch.__version__}, "
+            f"CPU kernels {torch.backends.cpu.get_cpu_capability()}",
+            file=sys.stderr,
+        )
     return Setup(args, session, model, optimizer, corpus)
 
 
