@@ -132,6 +132,8 @@ def _resume_flags(args) -> list[str]:
 
 
 def _status(args) -> int:
+    if problem := check_listen(args.coordinator):
+        raise ConfigError(f"--coordinator {args.coordinator}: {problem}")
     import grpc
 
     from coordinator.status import format_status

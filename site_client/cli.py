@@ -21,6 +21,7 @@ from wire.cli_flags import (
     env_defaults,
     quiet_grpc,
 )
+from wire.config_table import check_listen
 from wire.identity import IdentityError
 
 USAGE_HINT = "see `siteclient start --help`"
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("missing SCRIPT after `--`")
         if not Path(command[0]).is_file():
             raise UsageError(f"training script {command[0]!r} not found")
+        if problem := check_listen(args.coordinator):
+            raise UsageError(f"--coordinator {args.coordinator}: {problem}")
         if args.inner_steps is not None and args.inner_steps <= 0:
             raise UsageError(f"--inner-steps must be > 0, got {args.inner_steps}")
         for flag in ("connect_timeout", "outage_timeout"):

@@ -137,6 +137,20 @@ def test_listen_is_checked(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("coordinator.cli", ["status", "--insecure", "--coordinator", "7073"]),
+        ("site_client.cli", ["start", "--insecure", "--site", "a", "--coordinator", "7073"]),
+    ],
+)
+def test_a_bare_port_is_refused(module, argv):
+    result = h.run_cli_module(module, *argv, *(["--", TRAIN] if argv[0] == "start" else []))
+    assert result.returncode == 2
+    line = one_line_error(result)
+    assert "--coordinator 7073: expected 'HOST:PORT'" in line, line
+
+
+@pytest.mark.parametrize(
     "argv",
     [
         ["issue", "--site", "../evil"],
