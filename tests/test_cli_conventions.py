@@ -56,9 +56,10 @@ def test_help_loads_neither_torch_nor_grpc(module, argv):
     assert result.stdout.strip().splitlines()[-1] == "LOADED []", result.stdout[-300:]
 
 
-def test_agent_flags_from_the_environment():
+def test_agent_flags_from_the_environment(tmp_path):
     address = f"127.0.0.1:{h.free_port()}"
     env = {
+        "ISTHMUS_RUN_DIR": str(tmp_path / "run"),
         "ISTHMUS_COORDINATOR": address,
         "ISTHMUS_SITE": "env-site",
         "ISTHMUS_INSECURE": "1",

@@ -61,7 +61,7 @@ def test_status_names_the_host_the_certificate_and_the_fix(coord, pki):
     assert "coordinator certs server --ca PKI --host localhost --host 127.0.0.1" in line, line
 
 
-def test_siteclient_gives_up_at_once_on_a_hostname_mismatch(coord, pki):
+def test_siteclient_gives_up_at_once_on_a_hostname_mismatch(coord, pki, tmp_path):
     started = time.monotonic()
     result = h.run_cli_module(
         "site_client.cli",
@@ -72,6 +72,8 @@ def test_siteclient_gives_up_at_once_on_a_hostname_mismatch(coord, pki):
         "site-a",
         "--tls-dir",
         str(pki / "site-a"),
+        "--run-dir",
+        str(tmp_path / "run"),
         "--",
         TRAIN,
     )
