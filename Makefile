@@ -25,7 +25,8 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.installed
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/python -m examples.gpt_diloco.launch
+	$(BIN)/coordinator local --sites 3 --nproc-per-node 2 --config examples/gpt_diloco/job.toml \
+		--run-dir runs/gpt_diloco --fresh -- examples/gpt_diloco/train.py
 
 test: $(VENV)/.dev
 	$(BIN)/ruff check .

@@ -105,8 +105,8 @@ class Authorizer:
         if who.role != role:
             raise AuthError(
                 "denied",
-                f"a {who.role} certificate ({who.name!r}) may not call this; it needs "
-                f"a {role} certificate",
+                f"{_a(who.role)} {who.role} certificate ({who.name!r}) may not call this; "
+                f"it needs {_a(role)} {role} certificate",
             )
         if claimed_site is not None and claimed_site != who.name:
             raise AuthError(
@@ -115,3 +115,7 @@ class Authorizer:
                 f"{claimed_site[:70]!r}",
             )
         return who
+
+
+def _a(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from wire.identity import init_ca, issue, revoke
+from wire.identity import check_party_name, init_ca, issue, revoke
 
 
 def add_certs_parser(sub) -> None:
@@ -67,6 +67,8 @@ def run_certs(args: argparse.Namespace) -> int:
             f"a running coordinator reading {Path(args.ca) / 'crl.pem'} refuses them now"
         )
         return 0
+    flag, name = ("--site", args.site) if action == "issue" else ("--name", args.name)
+    check_party_name(flag, name)
     role, name, hosts, default_out = {
         "issue": lambda: ("site", args.site, (), Path(args.ca) / "sites" / args.site),
         "server": lambda: (

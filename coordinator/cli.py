@@ -1,4 +1,8 @@
-"""``coordinator``: serve a job, or show the status of a running one."""
+"""``coordinator``: serve a job, or show the status of a running one.
+
+Only the standard library and small modules load before the command line is parsed: torch and
+grpc are imported by the command that needs them, so ``--help`` and usage errors are instant.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,24 @@ import argparse
 import dataclasses
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
 from pathlib import Path
 
-import grpc
-
 from coordinator.certs_cli import add_certs_parser, run_certs
-from coordinator.config import ConfigError, load_config
 from coordinator.history_cli import add_history_parser, run_history
-from wire.channel import add_security_flags, bundle_from_flags, open_channel
+from coordinator.job_end import (
+    already_complete,
+    complete_message,
+    read_completion,
+    signal_exit_code,
+    stopped_message,
+)
+from coordinator.local_cli import add_local_parser, run_local, split_script
+from wire.cli_flags import add_security_flags, add_version_flag, bundle_from_flags, quiet_grpc
+from wire.config_table import ConfigError, check_listen
 from wire.identity import IdentityError
 
 
@@ -26,11 +37,19 @@ class StartError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="coordinator", description="The isthmus coordinator.")
+    add_version_flag(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser("serve", help="run the coordinator of a job")
     serve.add_argument("--config", required=True, help="the job's TOML config file")
     serve.add_argument("--listen", help="HOST:PORT to listen on (overrides server.listen)")
     serve.add_argument("--state-dir", help="state folder (overrides job.state_dir)")
+    serve.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TABLE.KEY=VALUE",
+        help="override a job.toml key, checked like the file (repeat for several)",
+    )
     serve.add_argument("--crl", metavar="FILE", help="the CA's revocation list (reread live)")
     serve.add_argument(
         "--metrics",
@@ -52,14 +71,41 @@ def _parser() -> argparse.ArgumentParser:
         help="print it again every SECONDS (default 2) until Ctrl-C",
     )
     add_security_flags(status, "an operator")
+    export = sub.add_parser(
+        "export", help="write a kept checkpoint's model as a standalone safetensors file"
+    )
+    export.add_argument("--state-dir", required=True, metavar="DIR", help="the job's state folder")
+    export.add_argument("--round", type=int, metavar="N", help="the checkpoint (default: newest)")
+    export.add_argument("--out", required=True, metavar="FILE", help="NAME.safetensors to write")
+    add_local_parser(sub)
     add_certs_parser(sub)
     add_history_parser(sub)
     return p
 
 
+def _export(args) -> int:
+    from coordinator.export import export_model
+    from coordinator.store import StoreError
+
+    try:
+        done = export_model(Path(args.state_dir), Path(args.out), args.round)
+    except StoreError as exc:
+        raise StartError(str(exc)) from exc
+    print(
+        f"model of round {done.card.round} (theta {done.card.theta_sha256[:12]}) written to "
+        f"{done.path}; its [model] table in {done.card_path}"
+    )
+    return 0
+
+
 def _serve(args) -> int:
-    cfg = load_config(args.config)  # before the slow torch import: config errors come fast
+    from coordinator.config import load_config
+
+    if args.listen and (problem := check_listen(args.listen)):
+        raise ConfigError(f"--listen {args.listen}: {problem}")
+    cfg = load_config(args.config, args.set)
     bundle = bundle_from_flags(args)
+    from coordinator.model_source import FactoryImportError, import_hint
     from coordinator.server import CoordinatorServer, ServerTls  # torch import: only for serve
     from coordinator.store import StoreError, write_atomic
     from strategies import StrategyError
@@ -70,11 +116,19 @@ def _serve(args) -> int:
     sys.path.insert(0, os.getcwd())
     if args.state_dir:
         cfg = dataclasses.replace(cfg, state_dir=Path(args.state_dir).absolute())
+    done = read_completion(cfg.state_dir)
+    if already_complete(done, cfg.name, cfg.rounds.total):
+        print(complete_message(done))
+        return 0
     try:
         tls = ServerTls(bundle, Path(args.crl) if args.crl else None) if bundle else None
         server = CoordinatorServer(cfg, args.listen, tls)
     except (StoreError, StrategyError) as exc:  # a wrong [strategy], state in use, damaged log
         raise StartError(str(exc)) from exc
+    except FactoryImportError as exc:
+        where = Path(args.config).resolve().parent
+        hint = import_hint(exc.module, exc.missing, where, Path.cwd())
+        raise StartError(f"{exc}; {hint}") from exc
     if args.metrics:
         try:
             metrics, address = serve_metrics(server.metrics.registry, args.metrics)
@@ -83,23 +137,45 @@ def _serve(args) -> int:
             raise StartError(f"--metrics {args.metrics}: {exc}") from exc
         write_atomic(cfg.state_dir / "metrics_address", f"{address}\n".encode())
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: server.stop())
-    return server.run()
+        signal.signal(sig, lambda signum, _: server.stop(signum))
+    code = server.run()
+    if server.stopped_by is not None:
+        resume = shlex.join(["coordinator", "serve", "--config", args.config] + _resume_flags(args))
+        rnd = server.core.state.round.number
+        message = stopped_message(server.stopped_by, rnd, cfg.rounds.total, cfg.state_dir, resume)
+        print(f"coordinator: {message}", file=sys.stderr)
+        return signal_exit_code(server.stopped_by)
+    if code == 0 and server.final is not None:
+        print(f"job {cfg.name!r} complete; final model: {server.final.path}")
+    return code
+
+
+def _resume_flags(args) -> list[str]:
+    """The flags of this ``serve`` that a resume must repeat to find the same job."""
+    flags = ["--state-dir", args.state_dir] if args.state_dir else []
+    return flags + [f for kv in args.set for f in ("--set", kv)]
 
 
 def _status(args) -> int:
+    if problem := check_listen(args.coordinator):
+        raise ConfigError(f"--coordinator {args.coordinator}: {problem}")
+    import grpc
+
     from coordinator.status import format_status, status_json
+    from wire.channel import open_channel
     from wire.proto import isthmus_pb2 as pb
     from wire.proto import isthmus_pb2_grpc as pb_grpc
 
-    with open_channel(args.coordinator, bundle_from_flags(args)) as channel:
+    bundle = bundle_from_flags(args)
+    with open_channel(args.coordinator, bundle) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
         while True:
             try:
                 reply = stub.Status(pb.StatusRequest(), timeout=args.timeout)
             except grpc.RpcError as exc:
                 print(
-                    f"coordinator: error: {_status_failure(args.coordinator, exc)}", file=sys.stderr
+                    f"coordinator: error: {_status_failure(args.coordinator, exc, bundle)}",
+                    file=sys.stderr,
                 )
                 return 1
             text = status_json(reply) if args.json else format_status(reply)
@@ -115,16 +191,32 @@ def _status(args) -> int:
                 return 0
 
 
-def _status_failure(coordinator: str, exc: grpc.RpcError) -> str:
-    hint = (
-        exc.details()
-        if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
-        else "is `coordinator serve` running there, and do its TLS settings match?"
+def _status_failure(address: str, exc, bundle) -> str:
+    """The one line a failed ``Status`` (``exc``, a ``grpc.RpcError``) prints: refused, a TLS
+    problem, or no answer."""
+    import grpc
+
+    from wire.tls_probe import diagnose, looks_like_tls
+
+    code = exc.code()
+    if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+        return f"{address} refused the call ({code.name}): {exc.details()}"
+    if code == grpc.StatusCode.UNAVAILABLE and bundle and looks_like_tls(exc.details()):
+        problem = diagnose(address, bundle)
+        if problem is not None:
+            return f"cannot talk to {address}: {problem.message}"
+    return (
+        f"no answer from {address} ({code.name}): is `coordinator serve` running there, "
+        "and do its TLS settings match?"
     )
-    return f"no answer from {coordinator} ({exc.code().name}): {hint}"
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_grpc()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script: list[str] = []
+    if argv[:1] == ["local"]:
+        argv, script = split_script(argv)
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "INFO"),
@@ -132,11 +224,15 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        if args.command == "certs":
-            return run_certs(args)
-        if args.command == "history":
-            return run_history(args)
-        return _serve(args) if args.command == "serve" else _status(args)
+        commands = {
+            "certs": run_certs,
+            "serve": _serve,
+            "status": _status,
+            "export": _export,
+            "local": lambda a: run_local(a, script),
+            "history": run_history,
+        }
+        return commands[args.command](args)
     except (ConfigError, StartError, IdentityError, OSError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2

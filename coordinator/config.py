@@ -65,14 +65,18 @@ Example::
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomli_w
 
 from coordinator.evaluation import EvaluationConfig, needs_factory
 from coordinator.event_history import EventsConfig
 from coordinator.failure_detector import TimeoutsConfig
 from coordinator.model_source import ModelConfig
+from coordinator.overrides import apply_overrides
 from coordinator.rounds import RoundsConfig
 from coordinator.speculation import SpeculationOptions
 from strategies.robust import AggregationConfig
@@ -256,8 +260,9 @@ def speculation_from_table(table: Any, data: DataConfig) -> SpeculationOptions:
     return load_table(SpeculationOptions, table, "speculation")
 
 
-def load_config(path: str | Path) -> JobConfig:
-    """Read and validate a job config file."""
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
+    """Read and validate a job config file, with ``--set TABLE.KEY=VALUE`` ``overrides``
+    (``coordinator.overrides``) applied first."""
     path = Path(path)
     try:
         source = path.read_bytes()
@@ -267,4 +272,7 @@ def load_config(path: str | Path) -> JobConfig:
         data = tomllib.loads(source.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source = tomli_w.dumps(data).encode()  # what the sites are handed
     return parse_config(data, path.resolve().parent, source)

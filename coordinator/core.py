@@ -251,6 +251,7 @@ class CoordinatorCore:
             info["update_wanted"] = participant and s.wanted.asks_for(
                 s.round.number, key, s.accepted, s.committing
             )
+        info["site_index"], info["num_sites"] = site_position(site, s.round.participants)
         return info
 
     def snapshot(self) -> StatusSnapshot:
@@ -402,3 +403,10 @@ class CoordinatorCore:
             recovery.after_pinned_close(self, step.order.after_pin == "kept")
         self.sink.flush()
         return True
+
+
+def site_position(site: str | None, participants) -> tuple[int, int]:
+    """``site``'s index among ``participants`` sorted by name, and their number; index 0 for
+    a site that is not one of them (it has no shard this round)."""
+    ordered = sorted(participants)
+    return (ordered.index(site) if site in ordered else 0), len(ordered)

@@ -13,6 +13,42 @@ from safetensors.torch import load_file
 from wire.config_table import ConfigError, non_empty, setting
 
 
+class FactoryImportError(ConfigError):
+    """``model.factory``'s module is not importable; ``missing`` is the module Python did not
+    find (the factory's own package, or one its code imports)."""
+
+    def __init__(self, message: str, module: str, missing: str | None) -> None:
+        super().__init__(message)
+        self.module, self.missing = module, missing
+
+
+def import_hint(module: str, missing: str | None, config_dir: Path, cwd: Path) -> str:
+    """What to do about a factory module that did not import, in one sentence.
+
+    When the factory's own package is what is missing, look for it next to the config file
+    and in every folder above it: the folder that holds it must be importable.
+    """
+    top = module.split(".")[0]
+    if missing is None or not (missing == top or module.startswith(missing + ".")):
+        return (
+            f"the module imports {missing!r}, which is not installed in this Python"
+            if missing
+            else "the module failed to import"
+        )
+    rel = Path(*module.split("."))
+    for base in [config_dir, *config_dir.parents]:
+        if (base / rel).with_suffix(".py").is_file() or (base / rel / "__init__.py").is_file():
+            return (
+                f"{base} holds {module}: run `coordinator serve` from {base}, or add it to "
+                f"PYTHONPATH (export PYTHONPATH={base})"
+            )
+    return (
+        f"the coordinator imports model.factory from its working directory ({cwd}) and "
+        f"PYTHONPATH, and neither holds {top}/: run it from the folder that holds {top}/, or "
+        "add that folder to PYTHONPATH"
+    )
+
+
 def factory_spec(v: str) -> str | None:
     """A ``model.factory`` names a function in a module: both halves of ``module:function``."""
     module_name, _, function = v.partition(":")
@@ -60,7 +96,11 @@ def build_module(cfg: ModelConfig) -> torch.nn.Module:
     module_name, _, attr = (cfg.factory or "").partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+    except ImportError as exc:
+        raise FactoryImportError(
+            f"model.factory: cannot load {cfg.factory!r}: {exc}", module_name, exc.name
+        ) from exc
+    except AttributeError as exc:
         raise ConfigError(f"model.factory: cannot load {cfg.factory!r}: {exc}") from exc
     torch.manual_seed(cfg.seed)
     try:

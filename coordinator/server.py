@@ -18,6 +18,8 @@ from coordinator.auth import Authorizer, RevocationList
 from coordinator.call_gate import CallGate, CallLimits, method_handlers
 from coordinator.config import JobConfig
 from coordinator.core import CoordinatorCore
+from coordinator.export import Exported, export_model, final_model_path, write_model_card
+from coordinator.job_end import Completion, write_completion
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.records import FatalError
 from coordinator.servicer import CoordinatorServicer
@@ -89,6 +91,9 @@ class CoordinatorServer:
             raise OSError(f"cannot listen on {address} (address in use or not local?)")
         self.address = f"{address.rpartition(':')[0]}:{port}"
         self.core = CoordinatorCore(cfg)
+        write_model_card(cfg.state_dir, cfg.name, cfg.model)  # what `coordinator export` reads
+        self.final: Exported | None = None
+        self.stopped_by: int | None = None  # the signal that stopped the job, if one did
         authorizer = Authorizer(revocations)
         self.metrics = CoordinatorMetrics(self.core.snapshot)
         self.core.sink.observers.append(self.metrics.event)
@@ -111,6 +116,7 @@ class CoordinatorServer:
         write_atomic(Path(self.cfg.state_dir) / "address", f"{self.address}\n".encode())
         log.info("coordinator for job %r listening on %s", self.cfg.name, self.address)
         finished_at: float | None = None
+        complete = False
         try:
             while not self.stop_event.is_set():
                 with self.core.wake:
@@ -123,9 +129,12 @@ class CoordinatorServer:
                     self.exit_code = 3
                     break
                 if self.core.finished:
-                    finished_at = finished_at or time.monotonic()
+                    if finished_at is None:
+                        finished_at = time.monotonic()
+                        self._write_final()
                     if self.core.evaluations_done() and self._sites_gone(finished_at):
                         log.info("job %r finished; all sites have left", self.cfg.name)
+                        complete = self.final is not None
                         break
         finally:
             # Bounded: grpc can leave a call it failed to decode unfinished, and then the
@@ -135,8 +144,32 @@ class CoordinatorServer:
                 log.warning("gRPC calls still open after stop; exiting anyway")
             self.core.close()
             self.watchdog.stop()
+            if complete:
+                self._record_completion()
             self.close()
         return self.exit_code
+
+    def _write_final(self) -> None:
+        """The final model as a file of its own, once the last checkpoint is on disk."""
+        rounds = self.core.state.round.number
+        out = final_model_path(self.cfg.state_dir)
+        try:
+            self.core.writer.wait()
+            out.parent.mkdir(exist_ok=True)
+            self.final = export_model(self.cfg.state_dir, out, rounds)
+        except (StoreError, OSError) as exc:
+            log.error("the final model was not written: %s", exc)
+            self.exit_code = 3
+            return
+        log.info("final model (round %d) written to %s", rounds, self.final.path)
+
+    def _record_completion(self) -> None:
+        card = self.final.card
+        done = Completion(self.cfg.name, card.round, str(self.final.path), card.theta_sha256)
+        try:
+            write_completion(self.cfg.state_dir, done)
+        except OSError as exc:  # the model is written; a later start just serves it again
+            log.warning("could not record the job as complete: %s", exc)
 
     def close(self) -> None:
         """Let go of the state folder (``run`` does this when it returns)."""
@@ -162,7 +195,10 @@ class CoordinatorServer:
             return True
         return False
 
-    def stop(self) -> None:
+    def stop(self, signum: int | None = None) -> None:
+        """Stop serving; ``signum``: the signal that asked for it (the job did not finish)."""
+        if signum is not None and self.stopped_by is None:
+            self.stopped_by = signum
         self.stop_event.set()
         self.core.stopping.set()  # a write waiting for disk space gives up
 

@@ -101,9 +101,15 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class CheckpointStore:
     """Checkpoints and the start epoch under one state folder."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, read_only: bool = False) -> None:
+        """``read_only``: only read checkpoints (``coordinator export``, maybe while a
+        coordinator serves this folder): create nothing, and leave its writes in progress."""
         self.root = Path(state_dir)
         self.dir = self.root / "checkpoints"
+        if read_only:
+            if not self.dir.is_dir():
+                raise StoreError(f"{self.root} holds no checkpoints (is it a job's state folder?)")
+            return
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -204,6 +210,23 @@ class CheckpointStore:
                 "no usable checkpoint in " + str(self.dir) + ": " + "; ".join(problems)
             )
         return None
+
+    def kept_rounds(self) -> list[int]:
+        """The rounds whose checkpoints are kept, oldest first."""
+        names = (p.name for p in self.dir.glob("round-*") if p.is_dir())
+        return sorted(int(n[len("round-") :]) for n in names if n[len("round-") :].isdigit())
+
+    def load_round(self, round_number: int) -> Checkpoint:
+        """The checkpoint of ``round_number``, verified; ``StoreError`` if it is not kept or
+        does not verify."""
+        path = self.dir / f"round-{round_number:08d}"
+        if not path.is_dir():
+            kept = ", ".join(map(str, self.kept_rounds())) or "none"
+            raise StoreError(f"no checkpoint of round {round_number} in {self.dir} (kept: {kept})")
+        try:
+            return self._load(path)
+        except OSError as exc:
+            raise StoreError(f"{path.name}: {exc}") from exc
 
     def _load(self, path: Path) -> Checkpoint:
         try:

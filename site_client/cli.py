@@ -14,10 +14,29 @@ import os
 import sys
 from pathlib import Path
 
-from wire.channel import add_security_flags, bundle_from_flags
+from wire.cli_flags import (
+    add_security_flags,
+    add_version_flag,
+    bundle_from_flags,
+    env_defaults,
+    quiet_grpc,
+)
+from wire.config_table import check_listen
 from wire.identity import IdentityError
 
 USAGE_HINT = "see `siteclient start --help`"
+# Every flag of the agent's own has a variable, as torchrun's launch flags have PET_*.
+ENV = {
+    "--coordinator": "ISTHMUS_COORDINATOR",
+    "--site": "ISTHMUS_SITE",
+    "--run-dir": "ISTHMUS_RUN_DIR",
+    "--inner-steps": "ISTHMUS_INNER_STEPS",
+    "--connect-timeout": "ISTHMUS_CONNECT_TIMEOUT",
+    "--outage-timeout": "ISTHMUS_OUTAGE_TIMEOUT",
+    "--log-level": "ISTHMUS_LOG_LEVEL",
+    "--tls-dir": "ISTHMUS_TLS_DIR",
+    "--insecure": "ISTHMUS_INSECURE",
+}
 
 
 class UsageError(Exception):
@@ -31,6 +50,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="siteclient", description="The isthmus site agent.")
+    add_version_flag(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     s = sub.add_parser(
         "start",
@@ -72,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     add_security_flags(s, "this site")
+    env_defaults(s, ENV, os.environ)
     return p
 
 
@@ -95,7 +116,13 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
 def _start(args, launch_flags: list[str], command: list[str]) -> int:
     from site_client.agent import AgentConfig, SiteAgent, default_shm_dir
     from site_client.coordinator_client import CoordinatorClient, CoordinatorError
-    from site_client.launcher import LaunchError, nproc_per_node, parse_launch_args, run_trainers
+    from site_client.launcher import (
+        LaunchError,
+        TrainersFailed,
+        nproc_per_node,
+        parse_launch_args,
+        run_trainers,
+    )
     from wire.backoff import BackoffPolicy, DeadlineExceeded
 
     try:
@@ -124,11 +151,7 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         client.backoff = BackoffPolicy(initial_s=0.5, cap_s=15.0, deadline_s=args.outage_timeout)
     except (CoordinatorError, DeadlineExceeded) as exc:
         agent.stop(leave=False)
-        print(
-            f"siteclient: error: cannot join the job at {args.coordinator}: {_one_line(exc)} "
-            "(is `coordinator serve` running there, and is --coordinator right?)",
-            file=sys.stderr,
-        )
+        print(f"siteclient: error: {join_failure(args.coordinator, exc)}", file=sys.stderr)
         return 1
     if args.metrics:
         _serve_agent_metrics(agent, args.metrics, run_dir)
@@ -138,8 +161,13 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         ISTHMUS_SITE=args.site,
     )
     try:
-        run_trainers(launch)
-    except BaseException as exc:  # ChildFailedError, SignalException, KeyboardInterrupt
+        run_trainers(launch, args.site, run_dir / "trainer_logs")
+    except TrainersFailed as exc:
+        agent.stop(leave=True)
+        report = f"siteclient: error: {agent.error}" if agent.error else exc.report
+        print(report, file=sys.stderr)
+        return 1
+    except BaseException as exc:  # SignalException, KeyboardInterrupt
         agent.stop(leave=True)
         reason = agent.error or f"{type(exc).__name__}: {str(exc).strip().splitlines()[0:1]}"
         print(f"siteclient: error: trainers of site {args.site} failed: {reason}", file=sys.stderr)
@@ -160,6 +188,20 @@ def _serve_agent_metrics(agent, where: str, run_dir: Path) -> None:
     (run_dir / "metrics_address").write_text(f"{address}\n")
 
 
+def join_failure(address: str, exc: BaseException) -> str:
+    """The one line a failed join prints: a TLS problem and a refusal are not outages."""
+    from site_client.errors import CoordinatorError, TlsRefused
+
+    if isinstance(exc, TlsRefused):
+        return f"cannot join the job at {address}: {exc}"
+    if isinstance(exc, CoordinatorError):
+        return f"the coordinator at {address} refused the join: {_one_line(exc)}"
+    return (
+        f"cannot join the job at {address}: {_one_line(exc)} "
+        "(is `coordinator serve` running there, and is --coordinator right?)"
+    )
+
+
 def _one_line(exc: BaseException) -> str:
     """A gRPC error's own words rather than its multi-line repr."""
     import grpc
@@ -172,6 +214,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_grpc()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         ours_part = argv[: argv.index("--")] if "--" in argv else argv
@@ -185,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("missing SCRIPT after `--`")
         if not Path(command[0]).is_file():
             raise UsageError(f"training script {command[0]!r} not found")
+        if problem := check_listen(args.coordinator):
+            raise UsageError(f"--coordinator {args.coordinator}: {problem}")
         if args.inner_steps is not None and args.inner_steps <= 0:
             raise UsageError(f"--inner-steps must be > 0, got {args.inner_steps}")
         for flag in ("connect_timeout", "outage_timeout"):

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from site_client.errors import CoordinatorError, PushAborted
+from site_client.errors import CoordinatorError, PushAborted, TlsRefused
 from site_client.push import UpdatePush, lost_race
 from site_client.theta_fetch import GlobalState, ThetaFetcher
 from site_client.update_payload import UpdatePayload, payload_of
@@ -30,6 +30,7 @@ from wire.identity import Bundle
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.tensors import pack, pack_encoded
+from wire.tls_probe import TlsProblem, diagnose, looks_like_tls
 
 # Re-exported: callers import the whole client API from this module.
 __all__ = ["CoordinatorClient", "CoordinatorError", "GlobalState", "PushAborted"]
@@ -67,6 +68,7 @@ class CoordinatorClient:
         self.rpc_timeout_s = rpc_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.on_retry = on_retry
+        self.tls = tls
         self.channel = open_channel(address, tls)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.bulk = BulkStub(self.channel)  # theta and updates as raw frames (wire.bulk)
@@ -75,6 +77,8 @@ class CoordinatorClient:
         self.control_channel = open_channel(address, tls, own_connection=True)
         self.control = pb_grpc.CoordinatorStub(self.control_channel)
         self.lease: pb.Lease | None = None
+        # Set by ``leave``: a call still in flight then (a heartbeat) must not join again.
+        self.left = False
         self.join_reply: pb.JoinReply | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -99,7 +103,11 @@ class CoordinatorClient:
     def call(self, describe: str, fn: Callable[[], object]):
         """Run ``fn`` with backoff on transient errors; re-join when the lease was fenced."""
 
+        tls_problem: list[TlsProblem] = []
+
         def attempt():
+            if self.left and describe not in ("join", "status"):
+                raise CoordinatorError(None, f"{describe}: this site has left the job")
             if self.lease is None and describe not in ("join", "status"):
                 self._join_once()
             try:
@@ -116,6 +124,8 @@ class CoordinatorClient:
             # RESOURCE_EXHAUSTED: its disk is full or this site has too many calls open; both
             # pass (a full job refusing a join does not, and says so).
             code = _code(exc)
+            if code == grpc.StatusCode.UNAVAILABLE and self._permanent_tls(exc, tls_problem):
+                return False
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return describe != "join"
             return isinstance(exc, ChunkError) or code in TRANSIENT | {
@@ -138,7 +148,23 @@ class CoordinatorClient:
                 on_retry=report,
             )
         except grpc.RpcError as exc:
+            if tls_problem:
+                raise TlsRefused(exc.code(), tls_problem[0].message) from exc
             raise CoordinatorError(exc.code(), f"{describe}: {exc.details()}") from exc
+
+    def _permanent_tls(self, exc: grpc.RpcError, found: list[TlsProblem]) -> bool:
+        """Whether an UNAVAILABLE is a TLS problem no retry fixes (appended to ``found``).
+
+        Only failures that hint at TLS are probed, and, until the first join, closed sockets
+        too: that is how gRPC reports a coordinator refusing this site's certificate."""
+        details = exc.details() or ""
+        closed = self.join_reply is None and "socket closed" in details.lower()
+        if self.tls is None or not (looks_like_tls(details) or closed):
+            return False
+        problem = diagnose(self.address, self.tls)
+        if problem is not None:
+            found.append(problem)
+        return problem is not None
 
     # ---- membership -----------------------------------------------------------------------
 
@@ -159,6 +185,7 @@ class CoordinatorClient:
         return reply
 
     def join(self) -> pb.JoinReply:
+        self.left = False
         return self.call("join", self._join_once)
 
     def heartbeat(self, progress: pb.Progress | None = None) -> pb.HeartbeatReply:
@@ -171,6 +198,7 @@ class CoordinatorClient:
         )
 
     def leave(self, reason: str = "") -> None:
+        self.left = True
         if self.lease is None:
             return
         try:

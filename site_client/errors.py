@@ -13,5 +13,10 @@ class CoordinatorError(RuntimeError):
         self.code = code
 
 
+class TlsRefused(CoordinatorError):
+    """The coordinator cannot be reached over TLS for a reason no retry fixes (a certificate
+    without the name dialled, another job's CA): the message names the fix."""
+
+
 class PushAborted(RuntimeError):
     """The caller withdrew an update while it was being pushed (its ``abort`` became true)."""

@@ -6,7 +6,8 @@
     model = build(); fully_shard(...); opt = AdamW(model.parameters())
     for rnd in session.rounds(model, opt):       # theta_r is loaded into the model
         for step in rnd.steps():                 # H inner steps (fewer after a restart)
-            if rnd.data_unit_index is None:      # federated: the site's own data
+            if rnd.data_unit_index is None:      # federated: the site's own data, or its
+                # shard of data all sites hold: rnd.site_index of rnd.num_sites this round
                 batch = my_batch(rnd.number, step)
             else:                                # shared data: unit k of the shared stream
                 batch = shared_batch(rnd.data_unit_index, step)
@@ -151,6 +152,9 @@ class SiteSession:
         if self.ipc is None:
             channel.close()
         self.site = hello["site"]
+        # This site's place among the participants of the latest round (rnd.site_index and
+        # rnd.num_sites are those of each round): no need to pass them to the script.
+        self.site_index, self.num_sites = 0, 0
         self.run_dir = Path(hello["run_dir"])
         self.shm_dir = Path(hello["shm_dir"])
         self.job_config: dict = tomllib.loads(hello["job_config"]) if hello["job_config"] else {}
@@ -279,13 +283,17 @@ class SiteSession:
                 reply.get("total_rounds", 0),
                 int(bool(reply.get("finished"))),
                 -1 if unit is None else unit,
+                reply.get("site_index", 0),
+                reply.get("num_sites", 0),
             ],
             dtype=torch.int64,
         )
         dist.broadcast(fields, src=0)
-        r, v, h, total, finished, unit = (int(x) for x in fields.tolist())
+        r, v, h, total, finished, unit, index, sites = (int(x) for x in fields.tolist())
         path = self._agree_on(reply.get("theta_path", ""))
-        return RoundSpec(r, v, h, total, bool(finished), path, "", unit_name(unit))
+        if not finished:  # the final theta is no round of this site's
+            self.site_index, self.num_sites = index, sites
+        return RoundSpec(r, v, h, total, bool(finished), path, "", unit_name(unit), index, sites)
 
     def _agree_on(self, text: str) -> str:
         """Rank 0's ``text`` on every rank (the theta file's path; no pickle)."""

@@ -6,7 +6,8 @@ Rank 0 of the site's trainers drives the rounds; every rank says ``hello``.
     -> ``site``, ``run_dir``, ``shm_dir``, ``job_config`` (TOML text).
 ``wait_round`` (``timeout`` seconds, default the agent's poll)
     -> ``{"ready": false}``, or ``ready`` with the next task not yet done: ``round``,
-    ``data_unit`` (``""`` in federated mode), ``version``, ``theta_path``, ``theta_hash``,
+    ``data_unit`` (``""`` in federated mode), ``site_index`` and ``num_sites`` (this site's place
+    among the round's participants), ``version``, ``theta_path``, ``theta_hash``,
     ``inner_steps``, ``total_rounds``, ``finished`` (the job is over: ``theta_path`` is the
     final theta and there is no task). ``theta_path`` is a safetensors file every rank maps.
 ``progress`` (``round``, ``data_unit``, ``step``, ``loss``)
@@ -72,8 +73,11 @@ class TrainerChannel:
         r, info = s.ready, s.info
         if r is None:
             return None
+        place = {"site_index": 0, "num_sites": 0}
+        if info is not None:
+            place = {"site_index": info.site_index, "num_sites": info.num_sites}
         if r.finished:
-            return {**r.as_reply(), "data_unit": ""}
+            return {**r.as_reply(), "data_unit": "", **place}
         task = task_of(info)
         if task is None or info.version != r.version or s.book.done(task):
             return None
@@ -91,7 +95,13 @@ class TrainerChannel:
                 )
                 self._warned_steps = True
         reply = r.as_reply()
-        return {**reply, "round": task.round, "data_unit": task.unit, "inner_steps": steps}
+        return {
+            **reply,
+            "round": task.round,
+            "data_unit": task.unit,
+            "inner_steps": steps,
+            **place,
+        }
 
     def wait_round(self, req: dict) -> dict:
         s = self.state

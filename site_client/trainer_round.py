@@ -27,6 +27,8 @@ class RoundSpec:
     theta_path: str = ""
     theta_hash: str = ""
     data_unit: str = ""
+    site_index: int = 0
+    num_sites: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class Round:
         ``k`` in shared-data mode (train on unit ``k`` of the shared data stream).
     inner_steps, total_rounds
         H, and the job's number of rounds.
+    site_index, num_sites
+        This site's place among the round's participants (sorted by name) and how many
+        there are: the shard of data that is this site's in this round.
     start_step, completed_steps
         Where this task (re)started, and the inner steps done so far.
     cancelled
@@ -88,6 +93,8 @@ class Round:
         self.data_unit_index = unit_index(spec.data_unit)
         self.inner_steps = spec.inner_steps
         self.total_rounds = spec.total_rounds
+        self.site_index = spec.site_index
+        self.num_sites = spec.num_sites
         self.start_step = start_step
         self.completed_steps = start_step
         self.cancelled = False

@@ -119,11 +119,27 @@ def coordinator_command() -> list[str]:
     return [sys.executable, "-m", "coordinator.cli"]
 
 
-def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 60.0, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return _run([*coordinator_command(), *args], timeout, cwd=cwd)
+
+
+def run_cli_module(
+    module: str,
+    *args: str,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO,
+) -> subprocess.CompletedProcess:
+    """``python -m module args`` (``site_client.cli``, ...) as ``run_cli`` runs ``coordinator``;
+    ``env``: variables set on top of the test's environment."""
+    return _run([sys.executable, "-m", module, *args], timeout, env, cwd)
+
+
+def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO):
     return subprocess.run(
-        [*coordinator_command(), *args],
-        cwd=REPO,
-        env=subprocess_env(),
+        cmd,
+        cwd=cwd,
+        env={**subprocess_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -294,3 +310,28 @@ def scrape_metrics(address: str) -> dict[tuple[str, tuple], float]:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
+
+
+def drive_site(address: str, site: str, tls=None, step: float = 0.01, stop=None) -> bytes:
+    """One site through a whole job, in this thread: each round fetch theta_r, push a small
+    fixed pseudo-gradient (``step`` on every trainable tensor), then fetch the final theta
+    and leave. Returns the final theta's hash. ``stop()`` true: leave before the job ends."""
+    from site_client.coordinator_client import CoordinatorClient
+
+    client = CoordinatorClient(address, site, tls=tls, backoff=FAST_BACKOFF, rpc_timeout_s=5.0)
+    try:
+        client.join()
+        last = -1
+        while not (stop and stop()):
+            info = client.wait_for_round(after=last, poll_s=0.05)
+            if info.finished:
+                break
+            g = client.fetch()
+            delta = {n: torch.full_like(g.theta[n], step) for n in TRAINABLE}
+            client.push(info.round, delta, base_version=g.version)
+            last = info.round
+        final = client.fetch()
+        client.leave("done")
+        return final.theta_hash
+    finally:
+        client.close()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 try:  # tests/ as a package or as a plain folder on sys.path
@@ -174,12 +172,3 @@ def test_serve_on_a_port_in_use(running, tmp_path):
     assert line.startswith("coordinator: error: cannot listen"), result.stderr
     assert running.address in line, line
     assert not (tmp_path / "other-state" / "checkpoints").exists(), "no state before listening"
-
-
-def test_sigterm_stops_the_coordinator_cleanly(tmp_path):
-    coord = h.start_coordinator(tmp_path, h.job_config(name="sigterm"))
-    try:
-        coord.kill(signal.SIGTERM)
-        assert coord.proc.returncode == 0, coord.log_tail()
-    finally:
-        coord.kill()

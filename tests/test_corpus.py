@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import pytest
 import torch
 
-from examples.gpt_diloco.data import CorpusConfig, evaluate, load_corpus
+from examples.gpt_diloco.data import Corpus, CorpusConfig, evaluate, load_corpus
 from examples.gpt_diloco.model import build_model
 
 SEQ = 32
@@ -110,3 +110,18 @@ def test_evaluate_gives_uniform_loss_for_untrained_model_and_keeps_mode(corpus) 
     assert model.training
     assert abs(loss - math.log(256)) < 0.1
     assert evaluate(model, corpus, n_batches=2, batch_size=4) == loss
+
+
+def test_the_corpus_is_the_stdlib_of_the_python_that_runs_it(tmp_path) -> None:
+    """What the README's determinism claim rests on: the same Python installation gives the
+    same corpus bytes (fingerprint); other sources give others, and so other losses."""
+    import sysconfig
+
+    a = Corpus(CorpusConfig(max_bytes=1 << 20))
+    b = Corpus(CorpusConfig(max_bytes=1 << 20))
+    assert a.root == Path(sysconfig.get_paths()["stdlib"])
+    assert a.fingerprint == b.fingerprint and len(a.fingerprint) == 12
+    for i in range(40):  # enough files that some land in the validation split
+        (tmp_path / f"m{i}.py").write_text(f"x = {i}\n" * 50)
+    other = Corpus(CorpusConfig(max_bytes=1 << 20, root=str(tmp_path), val_fraction=0.2))
+    assert other.fingerprint != a.fingerprint

@@ -13,6 +13,7 @@ import datetime as dt
 import ipaddress
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,20 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 ROLES = ("site", "operator", "coordinator")
+# The names the coordinator accepts for a site (coordinator.records.NAME_RE): also a safe
+# folder name, as bundles are written to pki/sites/NAME and pki/operators/NAME.
+PARTY_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def check_party_name(flag: str, name: str) -> None:
+    """Refuse a site or operator name that is not a plain folder name (``..``, ``a/b``)."""
+    if not PARTY_NAME_RE.fullmatch(name):
+        raise IdentityError(
+            f"{flag} {name[:70]!r}: use 1-63 letters, digits, '.', '_' or '-', starting with "
+            "a letter or digit (it names the bundle's folder and the site in the job)"
+        )
+
+
 CERT, KEY, CA = "cert.pem", "key.pem", "ca.pem"
 CA_CERT, CA_KEY, CRL, ISSUED = "ca.pem", "ca-key.pem", "crl.pem", "issued.json"
 

@@ -131,7 +131,7 @@ class Session:
                 self.report.log_tracebacks.append(
                     "the coordinator did not exit within 10 s of SIGTERM and was killed (hang)"
                 )
-            elif rc not in (0, None):
+            elif rc not in (0, 143, None):  # 143: stopped by the SIGTERM sent here, cleanly
                 self.report.crashes += 1
                 self.report.log_tracebacks.append(f"coordinator exited with status {rc}")
         if self.findings_file is not None:

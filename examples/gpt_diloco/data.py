@@ -123,6 +123,15 @@ class Corpus:
         self.val = torch.frombuffer(bytearray(b"".join(parts[True])), dtype=torch.uint8)
         self.train_files: tuple[str, ...] = tuple(files[False])
         self.val_files: tuple[str, ...] = tuple(files[True])
+        self.root = root
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 (12 hex digits) of the corpus bytes: the same on two machines only when
+        their Python installations carry the same standard library sources."""
+        digest = hashlib.sha256(self.train.numpy().tobytes())
+        digest.update(self.val.numpy().tobytes())
+        return digest.hexdigest()[:12]
 
     def site_batch(
         self,

@@ -3,20 +3,23 @@
 Run it under the site agent, which starts one copy per rank::
 
     siteclient start --coordinator HOST:PORT --site site-0 --nproc-per-node 2 \\
-        -- examples/gpt_diloco/train.py --site-index 0 --num-sites 3
+        -- examples/gpt_diloco/train.py
 
 The model's shape comes from the job config (``[model] kwargs``), so it always matches theta.
 Each round it reports the validation loss of the global theta_r it starts from, trains H inner
 steps with AdamW and hands the pseudo-gradient to the agent. It reads its own shard of the
-corpus in federated mode, and in shared-data mode (``[data] mode = "shared"``) the unit of the
-shared stream the coordinator assigned, backup copies of other sites' units included; a unit
-committed elsewhere first is abandoned mid-way.
+corpus in federated mode (shard ``rnd.site_index`` of ``rnd.num_sites``: the site's place among
+the round's participants, unless ``--site-index``/``--num-sites`` fix it), and in shared-data
+mode (``[data] mode = "shared"``) the unit of the shared stream the coordinator assigned,
+backup copies of other sites' units included; a unit committed elsewhere first is abandoned
+mid-way.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file by the launcher: make the repository importable
@@ -26,27 +29,43 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from examples.gpt_diloco.data import CorpusConfig, evaluate, load_corpus
+from examples.gpt_diloco.data import Corpus, CorpusConfig, evaluate, load_corpus
 from examples.gpt_diloco.model import build_model, lm_loss, transformer_blocks
 from site_client.trainer import SiteSession
+from site_client.trainer_round import Round
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--site-index", type=int, required=True)
-    p.add_argument("--num-sites", type=int, required=True)
+    p.add_argument("--site-index", type=int, help="fixed corpus shard (default: the session's)")
+    p.add_argument("--num-sites", type=int, help="fixed shard count (default: the session's)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per site per inner step")
     p.add_argument("--lr", type=float, default=2e-3, help="inner AdamW learning rate")
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--corpus-bytes", type=int, default=4 << 20)
     p.add_argument("--checkpoint-every", type=int, default=0, help="inner steps; 0 = per round")
     args = p.parse_args(argv)
-    if not 0 <= args.site_index < args.num_sites:
+    if (args.site_index is None) != (args.num_sites is None):
+        p.error("give both --site-index and --num-sites, or neither")
+    if args.num_sites is not None and not 0 <= args.site_index < args.num_sites:
         p.error(f"--site-index must be in [0, {args.num_sites}), got {args.site_index}")
     return args
 
 
-def main(argv=None) -> None:
+@dataclass(frozen=True)
+class Setup:
+    """What both forms of the loop train with (this file's, and ``train_loop.py``'s)."""
+
+    args: argparse.Namespace
+    session: SiteSession
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    corpus: Corpus
+
+
+def setup(argv=None) -> Setup:
+    """The session, the FSDP2-sharded model shaped by the job's ``[model] kwargs``, AdamW, and
+    the corpus."""
     args = parse_args(argv)
     torch.set_num_threads(1)
     session = SiteSession(backend="gloo", checkpoint_every=args.checkpoint_every)
@@ -59,34 +78,69 @@ def main(argv=None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     seq_len = model.config.seq_len
     corpus = load_corpus(CorpusConfig(max_bytes=args.corpus_bytes, seq_len=seq_len))
+    if session.rank == 0:  # what the losses depend on besides the job: see the README
+        print(
+            f"[{session.site}] corpus {corpus.fingerprint} ({len(corpus.train)} + "
+            f"{len(corpus.val)} bytes of {corpus.root}); torch {torch.__version__}, "
+            f"CPU kernels {torch.backends.cpu.get_cpu_capability()}",
+            file=sys.stderr,
+        )
+    return Setup(args, session, model, optimizer, corpus)
 
-    evaluated = -1
-    for rnd in session.rounds(model, optimizer):
-        if rnd.start_step == 0 and rnd.number != evaluated:  # once per theta_r, not per unit
-            val = evaluate(model, corpus, args.eval_batches, args.batch_size)
-            rnd.report(val_loss=val)
-            evaluated = rnd.number
+
+def batch(s: Setup, rnd: Round, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch for ``step`` of ``rnd``: the site's shard of the corpus (federated),
+    or the unit's slice of the shared stream (shared-data mode)."""
+    args, session = s.args, s.session
+    if rnd.data_unit_index is not None:
+        return s.corpus.unit_batch(
+            rnd.data_unit_index,
+            step,
+            rnd.inner_steps,
+            session.rank,
+            session.world_size,
+            args.batch_size,
+        )
+    fixed = args.num_sites is not None
+    return s.corpus.site_batch(
+        args.site_index if fixed else rnd.site_index,
+        args.num_sites if fixed else rnd.num_sites,
+        rnd.number,
+        step,
+        session.rank,
+        session.world_size,
+        args.batch_size,
+    )
+
+
+class ValLoss:
+    """Reports the validation loss of theta_r as a round starts: once per round (not per
+    unit of it, nor again after a restart mid-round)."""
+
+    def __init__(self, s: Setup) -> None:
+        self.s, self.last = s, -1
+
+    def __call__(self, rnd: Round) -> None:
+        if rnd.start_step == 0 and rnd.number != self.last:
+            s = self.s
+            rnd.report(val_loss=evaluate(s.model, s.corpus, s.args.eval_batches, s.args.batch_size))
+            self.last = rnd.number
+
+
+def finish(s: Setup) -> None:
+    final = evaluate(s.model, s.corpus, s.args.eval_batches, s.args.batch_size)
+    s.session.report(round=s.session.final.round, val_loss=final, final=1)
+    s.session.close()
+
+
+def main(argv=None) -> None:
+    s = setup(argv)
+    model, optimizer, val_loss = s.model, s.optimizer, ValLoss(s)
+    for rnd in s.session.rounds(model, optimizer):
+        val_loss(rnd)
         losses = []
         for step in rnd.steps():
-            if rnd.data_unit_index is None:
-                inputs, targets = corpus.site_batch(
-                    args.site_index,
-                    args.num_sites,
-                    rnd.number,
-                    step,
-                    session.rank,
-                    session.world_size,
-                    args.batch_size,
-                )
-            else:
-                inputs, targets = corpus.unit_batch(
-                    rnd.data_unit_index,
-                    step,
-                    rnd.inner_steps,
-                    session.rank,
-                    session.world_size,
-                    args.batch_size,
-                )
+            inputs, targets = batch(s, rnd, step)
             loss = lm_loss(model(inputs), targets)
             loss.backward()
             optimizer.step()
@@ -95,10 +149,7 @@ def main(argv=None) -> None:
             losses.append(rnd.loss)
         if losses and not rnd.cancelled:
             rnd.report(train_loss=sum(losses) / len(losses))
-
-    final = evaluate(model, corpus, args.eval_batches, args.batch_size)
-    session.report(round=session.final.round, val_loss=final, final=1)
-    session.close()
+    finish(s)
 
 
 if __name__ == "__main__":

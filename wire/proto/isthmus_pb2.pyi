@@ -81,7 +81,7 @@ class JoinRequest(_message.Message):
     def __init__(self, site: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., have_version: _Optional[int] = ..., have_hash: _Optional[bytes] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("round", "version", "theta_hash", "inner_steps", "total_rounds", "finished", "participant", "data_unit", "update_wanted")
+    __slots__ = ("round", "version", "theta_hash", "inner_steps", "total_rounds", "finished", "participant", "data_unit", "update_wanted", "site_index", "num_sites")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     THETA_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,8 @@ class RoundInfo(_message.Message):
     PARTICIPANT_FIELD_NUMBER: _ClassVar[int]
     DATA_UNIT_FIELD_NUMBER: _ClassVar[int]
     UPDATE_WANTED_FIELD_NUMBER: _ClassVar[int]
+    SITE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SITES_FIELD_NUMBER: _ClassVar[int]
     round: int
     version: int
     theta_hash: bytes
@@ -100,7 +102,9 @@ class RoundInfo(_message.Message):
     participant: bool
     data_unit: str
     update_wanted: bool
-    def __init__(self, round: _Optional[int] = ..., version: _Optional[int] = ..., theta_hash: _Optional[bytes] = ..., inner_steps: _Optional[int] = ..., total_rounds: _Optional[int] = ..., finished: _Optional[bool] = ..., participant: _Optional[bool] = ..., data_unit: _Optional[str] = ..., update_wanted: _Optional[bool] = ...) -> None: ...
+    site_index: int
+    num_sites: int
+    def __init__(self, round: _Optional[int] = ..., version: _Optional[int] = ..., theta_hash: _Optional[bytes] = ..., inner_steps: _Optional[int] = ..., total_rounds: _Optional[int] = ..., finished: _Optional[bool] = ..., participant: _Optional[bool] = ..., data_unit: _Optional[str] = ..., update_wanted: _Optional[bool] = ..., site_index: _Optional[int] = ..., num_sites: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("lease", "round", "job_name", "job_config", "heartbeat_interval_s")
