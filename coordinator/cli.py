@@ -127,7 +127,7 @@ def _serve(args) -> int:
         raise StartError(str(exc)) from exc
     except FactoryImportError as exc:
         where = Path(args.config).resolve().parent
-        hint = import_hint(exc.module, exc.missing, where, Path.cwd())
+        hint = import_hint(exc.module, exc.missing, where, Path.cwd(), exc.key)
         raise StartError(f"{exc}; {hint}") from exc
     if args.metrics:
         try:

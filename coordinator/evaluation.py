@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.model_source import factory_spec
+from coordinator.model_source import FactoryImportError, factory_spec
 from wire.config_table import ConfigError, non_empty, positive, setting
 
 Hook = Callable[[Any, int], Any]
@@ -57,6 +57,13 @@ def load_hook(spec: str) -> Hook:
     module_name, _, attr = spec.partition(":")
     try:
         hook = getattr(importlib.import_module(module_name), attr)
+    except ModuleNotFoundError as exc:  # serve adds where the module could be found
+        raise FactoryImportError(
+            f"evaluation.fn: cannot load {spec!r}: {type(exc).__name__}: {exc}",
+            module_name,
+            exc.name,
+            key="evaluation.fn",
+        ) from exc
     except Exception as exc:  # the user's own import-time code may raise anything
         raise ConfigError(
             f"evaluation.fn: cannot load {spec!r}: {type(exc).__name__}: {exc}"

@@ -14,15 +14,20 @@ from wire.config_table import ConfigError, non_empty, setting
 
 
 class FactoryImportError(ConfigError):
-    """``model.factory``'s module is not importable; ``missing`` is the module Python did not
-    find (the factory's own package, or one its code imports)."""
+    """The module a ``module:function`` key names (``model.factory``, ``evaluation.fn``) is
+    not importable; ``missing`` is the module Python did not find (its own package, or one its
+    code imports)."""
 
-    def __init__(self, message: str, module: str, missing: str | None) -> None:
+    def __init__(
+        self, message: str, module: str, missing: str | None, key: str = "model.factory"
+    ) -> None:
         super().__init__(message)
-        self.module, self.missing = module, missing
+        self.module, self.missing, self.key = module, missing, key
 
 
-def import_hint(module: str, missing: str | None, config_dir: Path, cwd: Path) -> str:
+def import_hint(
+    module: str, missing: str | None, config_dir: Path, cwd: Path, key: str = "model.factory"
+) -> str:
     """What to do about a factory module that did not import, in one sentence.
 
     When the factory's own package is what is missing, look for it next to the config file
@@ -43,7 +48,7 @@ def import_hint(module: str, missing: str | None, config_dir: Path, cwd: Path) -
                 f"PYTHONPATH (export PYTHONPATH={base})"
             )
     return (
-        f"the coordinator imports model.factory from its working directory ({cwd}) and "
+        f"the coordinator imports {key} from its working directory ({cwd}) and "
         f"PYTHONPATH, and neither holds {top}/: run it from the folder that holds {top}/, or "
         "add that folder to PYTHONPATH"
     )

@@ -113,17 +113,9 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv[:i], argv[i + 1 :]
 
 
-def _start(args, launch_flags: list[str], command: list[str]) -> int:
-    from site_client.agent import AgentConfig, SiteAgent, default_shm_dir
-    from site_client.coordinator_client import CoordinatorClient, CoordinatorError
-    from site_client.launcher import (
-        LaunchError,
-        TrainersFailed,
-        nproc_per_node,
-        parse_launch_args,
-        run_trainers,
-    )
-    from wire.backoff import BackoffPolicy, DeadlineExceeded
+def _launch_and_bundle(args, launch_flags: list[str], command: list[str]):
+    """The trainers' launch config and this site's TLS bundle; ``UsageError`` if unusable."""
+    from site_client.launcher import LaunchError, nproc_per_node, parse_launch_args
 
     try:
         launch = parse_launch_args(launch_flags, command[0], command[1:])
@@ -132,9 +124,18 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
     if nproc_per_node(launch) < 1:
         raise UsageError(f"--nproc-per-node must be a number >= 1, got {launch.nproc_per_node!r}")
     try:
-        bundle = bundle_from_flags(args)
+        return launch, bundle_from_flags(args)
     except IdentityError as exc:
         raise UsageError(str(exc)) from exc
+
+
+def _start(args, launch_flags: list[str], command: list[str]) -> int:
+    from site_client.agent import AgentConfig, SiteAgent, default_shm_dir
+    from site_client.coordinator_client import CoordinatorClient, CoordinatorError
+    from site_client.launcher import TrainersFailed, nproc_per_node, run_trainers
+    from wire.backoff import BackoffPolicy, DeadlineExceeded
+
+    launch, bundle = _launch_and_bundle(args, launch_flags, command)
     run_dir = Path(args.run_dir or Path("runs") / args.site).absolute()
     cfg = AgentConfig(args.site, run_dir, default_shm_dir(args.site), args.inner_steps)
     client = CoordinatorClient(

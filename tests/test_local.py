@@ -101,6 +101,7 @@ def test_the_loop_form_trains_the_same_model(explicit, tmp_path):
     assert len(want[1]) == 4, want
 
 
+@pytest.mark.slow
 def test_the_same_job_twice_gives_the_same_model(explicit, tmp_path):
     """The README's claim, run to run on one machine: the same table, the same final theta."""
     result = run(local_command(tmp_path / "run", rounds=2))
@@ -113,6 +114,7 @@ def test_the_same_job_twice_gives_the_same_model(explicit, tmp_path):
     assert "reproducible with: torch " in result.stdout and "CPU kernels " in result.stdout
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_process_and_the_same_command_resumes(tmp_path):
     cmd = local_command(tmp_path / "run", rounds=3, steps=20)
     proc = subprocess.Popen(

@@ -20,7 +20,8 @@ except ImportError:
 
 from coordinator.store import CheckpointStore
 
-pytestmark = pytest.mark.e2e
+# Slow (about 30 s): `coordinator local` end to end is in test_local.py already.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def quickstart() -> str:

@@ -78,8 +78,7 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(
         "coordinator killed, a spooled update damaged",
-        coord.kill_and_damage_a_spooled_update,
-        slow=False,
+        coord.kill_and_damage_a_spooled_update,  # in-process: tests/test_spool_damage.py
     ),
     Scenario(
         "coordinator killed after publishing, an update of the close damaged",
