@@ -93,10 +93,6 @@ class CallGate:
         self._lock = threading.Lock()
         self._open: Counter = Counter()
 
-    def open_calls(self, caller: str, kind: str) -> int:
-        with self._lock:
-            return self._open[(caller, kind)]
-
     def _caller(self, context) -> str:
         try:
             who = self.authorizer.identify(context.auth_context())

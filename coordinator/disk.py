@@ -94,9 +94,6 @@ class PartFile:
     def broken(self) -> bool:
         return self.length < 0
 
-    def flush(self) -> None:
-        """Nothing is buffered here; durability comes from the fsync at commit."""
-
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

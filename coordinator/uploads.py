@@ -130,7 +130,6 @@ class Upload:
         self.screen.add(offset, data)
 
     def verify(self) -> None:
-        self.file.flush()
         self.reassembler.finish()
 
     def close(self) -> None:
@@ -172,8 +171,6 @@ class UploadTable:
     def release(self, upload: Upload) -> None:
         with self._lock:
             upload.busy = False
-            if not upload.file.closed:
-                upload.file.flush()
 
     def forget(self, upload: Upload) -> None:
         """The upload was committed: stop tracking it."""
