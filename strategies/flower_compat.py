@@ -4,6 +4,7 @@ Flower constructor, and the stand-ins Flower's ``aggregate_fit`` expects.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import warnings
@@ -34,19 +35,27 @@ UNSUPPORTED = {
 }
 
 
-def import_flower():
-    """``(flwr.common, flwr.server.strategy)``, telemetry and the update check turned off."""
+@contextlib.contextmanager
+def flwr_imports():
+    """Around importing flwr: telemetry and the update check turned off, the warnings its CLI
+    dependencies raise on import silenced, and a missing flwr said as what to install."""
     os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
     os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
     try:
         with warnings.catch_warnings():  # flwr's CLI dependencies warn about click on import
             warnings.simplefilter("ignore", DeprecationWarning)
-            import flwr.common as common
-            import flwr.server.strategy as strategies
+            yield
     except ImportError as exc:
         raise StrategyError(
             f"Flower strategies need flwr 1.42: pip install 'isthmus[flower]' ({exc})"
         ) from exc
+
+
+def import_flower():
+    """``(flwr.common, flwr.server.strategy)`` (see ``flwr_imports``)."""
+    with flwr_imports():
+        import flwr.common as common
+        import flwr.server.strategy as strategies
     return common, strategies
 
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import types
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +22,7 @@ import numpy as np
 import torch
 
 from strategies.base import StrategyError, Tensors
-from strategies.flower_compat import to_tensor
+from strategies.flower_compat import flwr_imports, to_tensor
 
 REPLY_METRICS = "metrics"  # the MetricRecord's name in a reply, as a Flower ClientApp names it
 WEIGHT_KEY = "num-examples"  # Flower's default ``weighted_by_key``
@@ -35,20 +33,12 @@ def import_serverapp() -> types.SimpleNamespace:
     """``flwr.app``, ``flwr.serverapp.strategy`` and ``Grid``, telemetry and the update check
     turned off; the process's task identity set as Flower's own server app sets it, since every
     ``Message`` a strategy builds reads it."""
-    os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
-    os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
-    try:
-        with warnings.catch_warnings():  # flwr's CLI dependencies warn about click on import
-            warnings.simplefilter("ignore", DeprecationWarning)
-            import flwr.app as app
-            import flwr.serverapp.strategy as strategies
-            from flwr.common.constant import SUPERLINK_NODE_ID
-            from flwr.serverapp import Grid
-            from flwr.supercore.task_identity import TaskIdentity
-    except ImportError as exc:
-        raise StrategyError(
-            f"Flower strategies need flwr 1.42: pip install 'isthmus[flower]' ({exc})"
-        ) from exc
+    with flwr_imports():
+        import flwr.app as app
+        import flwr.serverapp.strategy as strategies
+        from flwr.common.constant import SUPERLINK_NODE_ID
+        from flwr.serverapp import Grid
+        from flwr.supercore.task_identity import TaskIdentity
     for attr, value in (("run_id", 0), ("node_id", SUPERLINK_NODE_ID), ("task_id", 0)):
         try:
             getattr(TaskIdentity, attr)
