@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import tomllib
 
 from site_client.agent_state import AgentConfig, AgentState, default_shm_dir
 from site_client.compression import CODEC_STATE_FILE, compression_of, load_codec_state
@@ -88,6 +89,7 @@ class SiteAgent:
         self.job_name = reply.job_name
         job_config = reply.job_config.decode("utf-8", "replace")
         self.channel.job_config = job_config
+        self.channel.streaming = "streaming" in _toml_or_empty(job_config)
         codec_state = load_codec_state(self.cfg.run_dir / CODEC_STATE_FILE)
         self.wan = WanWorker(
             self.state, self.client, self.cfg, compression_of(job_config), codec_state
@@ -148,3 +150,10 @@ class SiteAgent:
                     s.cond.wait_for(lambda: s.stopping, timeout=self.heartbeat_interval_s)
                 continue
             self.heard(reply)
+
+
+def _toml_or_empty(text: str) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return {}

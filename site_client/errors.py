@@ -1,4 +1,4 @@
-"""Errors of the site's WAN client."""
+"""Errors of the site's WAN client and of its trainers."""
 
 from __future__ import annotations
 
@@ -20,3 +20,7 @@ class TlsRefused(CoordinatorError):
 
 class PushAborted(RuntimeError):
     """The caller withdrew an update while it was being pushed (its ``abort`` became true)."""
+
+
+class TrainerError(RuntimeError):
+    """The trainer cannot go on (no agent, theta mismatch, misuse of the API)."""

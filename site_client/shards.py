@@ -101,10 +101,36 @@ def load_pieces(pieces: list[Piece], theta: MappedTensors) -> list[str]:
 
 
 @torch.no_grad()
-def write_update(pieces: list[Piece], theta: MappedTensors, path: Path) -> Path:
-    """This rank's share of ``theta_r - theta_local`` (floating tensors it writes), as a
-    safetensors file whose metadata says where each piece lies."""
+def merge_pieces(
+    pieces: list[Piece], theta: MappedTensors, names: frozenset[str], alpha: float
+) -> list[str]:
+    """``local <- alpha * local + (1 - alpha) * theta`` on the pieces of ``names`` (a fragment
+    of streaming outer steps), in float32; ``alpha = 0`` is ``load_pieces``, an exact copy.
+    Returns the names that could not be merged (a shape or dtype unlike the file's)."""
+    chosen = [p for p in pieces if p.name in names]
+    if alpha == 0.0:
+        return load_pieces(chosen, theta)
+    wrong = []
+    for p in chosen:
+        source = theta.tensors[p.name]
+        if tuple(source.shape) != p.global_shape or source.dtype != p.local.dtype:
+            wrong.append(p.name)
+            continue
+        mixed = p.local.to(torch.float32) * alpha + source[p.box].to(torch.float32) * (1 - alpha)
+        p.local.copy_(mixed)
+    return wrong
+
+
+@torch.no_grad()
+def write_update(
+    pieces: list[Piece], theta: MappedTensors, path: Path, names: frozenset[str] | None = None
+) -> Path:
+    """This rank's share of ``theta_r - theta_local`` (floating tensors it writes; only
+    ``names`` when given: one fragment), as a safetensors file whose metadata says where each
+    piece lies."""
     mine = [p for p in pieces if p.writer and p.local.is_floating_point() and p.local.numel()]
+    if names is not None:
+        mine = [p for p in mine if p.name in names]
     like = {p.name: torch.empty(p.local.shape, dtype=torch.float32, device="meta") for p in mine}
     boxes = {
         p.name: {"offset": list(p.box_offset), "shape": list(p.global_shape)}

@@ -64,13 +64,16 @@ from site_client.checkpoint import (
     prune_site_checkpoints,
     site_checkpoint_path,
 )
+from site_client.errors import TrainerError
 from site_client.faults import ENV as FAULTS_ENV
 from site_client.faults import fault_at, inject, parse_faults
 from site_client.local_ipc import IpcClient
 from site_client.shards import Piece, load_pieces, local_pieces, write_update
+from site_client.streaming import StreamingRounds
 from site_client.tasks import unit_index, unit_name
 from site_client.timings import record
 from site_client.trainer_round import Round, RoundHooks, RoundSpec
+from wire.fragments import streaming_from_job
 from wire.safetensors_io import MappedTensors, map_tensors
 
 ENV_SOCKET = "ISTHMUS_AGENT_SOCKET"
@@ -126,10 +129,6 @@ def _leave_together(world_size: int) -> None:
     dist.destroy_process_group()
 
 
-class TrainerError(RuntimeError):
-    """The trainer cannot go on (no agent, theta mismatch, misuse of the API)."""
-
-
 class SiteSession:
     def __init__(self, backend: str = "gloo", checkpoint_every: int = 0) -> None:
         socket_path = os.environ.get(ENV_SOCKET)
@@ -167,6 +166,8 @@ class SiteSession:
         self.faults_fired: set = set()
         self._last_seq = -1
         self.checkpointer = AsyncCheckpointer()
+        # ``[streaming]``: fragments sync in turn and merge late (``site_client.streaming``).
+        self.streaming = streaming_from_job(self.job_config)
 
     # ---- the round loop -------------------------------------------------------------------
 
@@ -176,6 +177,9 @@ class SiteSession:
         After the body of the loop, the task's update is handed to the agent unless the task
         was cancelled. Ends when the job is finished, with the final theta loaded.
         """
+        if self.streaming is not None:
+            yield from StreamingRounds(self, self.streaming).run(model, optimizer)
+            return
         resume = self._resume(model, optimizer)
         hooks = self._hooks(model, optimizer)
         while True:
@@ -222,7 +226,7 @@ class SiteSession:
 
     # ---- pieces ---------------------------------------------------------------------------
 
-    def _hooks(self, model, optimizer) -> RoundHooks:
+    def _hooks(self, model, optimizer, before_step=None) -> RoundHooks:
         return RoundHooks(
             cancel_requested=self._cancel_requested,
             after_step=self._after_step,
@@ -230,7 +234,13 @@ class SiteSession:
             settle=self.checkpointer.wait,
             checkpoint_every=self.checkpoint_every,
             report=self.report,
+            record=self._record,
+            before_step=before_step,
         )
+
+    def _record(self, kind: str, **fields) -> None:
+        if self.rank == 0:
+            record(self.run_dir / "trainer_timings.jsonl", kind, **fields)
 
     def _checkpoint(self, model, optimizer, rnd: Round, step: int, task_end: bool = False):
         """Write a site checkpoint of ``step`` of ``rnd`` in the background."""
@@ -241,6 +251,8 @@ class SiteSession:
             "step": step,
             "seq": seq,
         }
+        if getattr(rnd, "merge_pending", None) is not None:  # streaming outer steps
+            extra["merge_pending"] = int(rnd.merge_pending)
         task = {"round": rnd.number, "data_unit": rnd.data_unit}
 
         def written(_path) -> None:
@@ -257,13 +269,20 @@ class SiteSession:
 
     def _resume(self, model, optimizer) -> tuple[int, str, int] | None:
         """(round, data unit, step) of the newest site checkpoint, loaded into the model."""
+        extra = self._resume_extra(model, optimizer)
+        if extra is None:
+            return None
+        return int(extra["round"]), unit_name(int(extra.get("unit", -1))), int(extra["step"])
+
+    def _resume_extra(self, model, optimizer) -> dict | None:
+        """The newest site checkpoint's saved values, loaded into the model (None: none)."""
         path = latest_site_checkpoint(self.ckpt_dir)
         if path is None:
             return None
         extra = load_site_checkpoint(path, model, optimizer)
         round_number, step = int(extra["round"]), int(extra["step"])
         self._last_seq = int(extra.get("seq", round_number * STEP_SLOTS + step))
-        return round_number, unit_name(int(extra.get("unit", -1))), step
+        return extra
 
     def _wait_round(self) -> RoundSpec:
         # Rank 0 waits for the agent with a short timeout and tells the others each time, so
@@ -322,13 +341,16 @@ class SiteSession:
             )
         self._timing("load", started, version=spec.version)
 
-    def _submit(self, pieces, theta, spec: RoundSpec, weight: float, durable: bool) -> None:
-        """Every rank writes its own shard of the update; rank 0 hands the files over."""
+    def _submit(
+        self, pieces, theta, spec: RoundSpec, weight: float, durable: bool, names=None
+    ) -> None:
+        """Every rank writes its own shard of the update (of ``names`` only, when given: a
+        fragment); rank 0 hands the files over."""
         started = time.monotonic()
         unit = f"-{spec.data_unit}" if spec.data_unit else ""
         stem = f"delta-r{spec.round}{unit}-{self.restart_count}"
         mine = self.shm_dir / f"{stem}-rank{self.rank}.safetensors"
-        write_update(pieces, theta, mine)
+        write_update(pieces, theta, mine, names)
         dist.barrier()
         if self.rank == 0:
             paths = [

@@ -47,6 +47,7 @@ class TrainerChannel:
     def __init__(self, state: AgentState, cfg: AgentConfig) -> None:
         self.state, self.cfg = state, cfg
         self.job_config = ""
+        self.streaming = False  # the job has a [streaming] table (set on join)
         self._warned_steps = False
 
     def handlers(self) -> dict[str, Handler]:
@@ -83,14 +84,17 @@ class TrainerChannel:
             return None
         steps = r.inner_steps
         if self.cfg.inner_steps and self.cfg.inner_steps != steps:
-            if not task.unit:
+            # A unit is H steps of the shared stream wherever it runs, or copies differ; a
+            # streaming round is H/P steps, or the sites' fragment schedules differ.
+            fixed = "shared-data mode" if task.unit else "streaming" if self.streaming else None
+            if fixed is None:
                 steps = self.cfg.inner_steps
             elif not self._warned_steps:
-                # A unit is H steps of the shared stream wherever it runs, or copies differ.
                 log.warning(
-                    "[%s] --inner-steps %d ignored in shared-data mode: units are %d steps",
+                    "[%s] --inner-steps %d ignored under %s: rounds are %d steps",
                     self.cfg.site,
                     self.cfg.inner_steps,
+                    fixed,
                     steps,
                 )
                 self._warned_steps = True

@@ -9,6 +9,7 @@ checkpoints) is the session's, handed in as ``RoundHooks``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -51,6 +52,12 @@ class RoundHooks:
         Inner steps between periodic checkpoints (0: only at the end of the task).
     report
         Send metrics to the agent.
+    record
+        Write a timing record (``site_client.timings``): a task's ``steps`` record, with the
+        time spent inside the script's step bodies.
+    before_step
+        Called before each step is yielded; False stops the task there (streaming outer
+        steps merge a fragment's late result here, see ``site_client.streaming``).
     """
 
     cancel_requested: Callable[[Round, int], bool]
@@ -59,6 +66,8 @@ class RoundHooks:
     settle: Callable[[], None]
     checkpoint_every: int
     report: Callable[..., None]
+    record: Callable[..., None] = lambda kind, **fields: None
+    before_step: Callable[[Round, int], bool] | None = None
 
 
 class Round:
@@ -85,6 +94,9 @@ class Round:
         Set it each step: reported as progress.
     weight
         The update's weight (default: the inner steps of the round).
+    compute_s, merge_wait_s
+        Seconds spent inside the step bodies so far, and blocked waiting for a fragment's
+        late result (streaming outer steps).
     """
 
     def __init__(self, spec: RoundSpec, start_step: int, hooks: RoundHooks) -> None:
@@ -100,6 +112,9 @@ class Round:
         self.cancelled = False
         self.loss = float("nan")
         self.weight = float(spec.inner_steps)
+        self.compute_s = 0.0
+        self.merge_wait_s = 0.0
+        self.merge_pending: bool | None = None  # streaming: the last fragment is not merged yet
         self._hooks = hooks
 
     def steps(self) -> Iterator[int]:
@@ -107,18 +122,43 @@ class Round:
         hooks = self._hooks
         if self.start_step < self.inner_steps and self._cancel_requested():
             return
-        for step in range(self.start_step, self.inner_steps):
-            yield step
-            self.completed_steps = step + 1
-            cancel = self._cancel_requested()
-            hooks.settle()
-            hooks.after_step(self, self.completed_steps)
-            if cancel:
-                return
-            every = hooks.checkpoint_every
-            done = self.completed_steps
-            if every and done % every == 0 and done < self.inner_steps:
-                hooks.checkpoint(self, done)
+        first_at = last_at = None
+        try:
+            for step in range(self.start_step, self.inner_steps):
+                if hooks.before_step is not None and not hooks.before_step(self, step):
+                    return
+                started, at = time.monotonic(), time.time()
+                first_at = at if first_at is None else first_at
+                yield step
+                self.compute_s += time.monotonic() - started
+                last_at = time.time()
+                if self._after(step):
+                    return
+        finally:
+            if first_at is not None:
+                hooks.record(
+                    "steps",
+                    round=self.number,
+                    compute_s=round(self.compute_s, 6),
+                    first_step_at=first_at,
+                    last_step_at=last_at if last_at is not None else first_at,
+                    merge_wait_s=round(self.merge_wait_s, 6),
+                )
+
+    def _after(self, step: int) -> bool:
+        """Progress, checkpoints and faults after ``step``; whether the task stops here."""
+        hooks = self._hooks
+        self.completed_steps = step + 1
+        cancel = self._cancel_requested()
+        hooks.settle()
+        hooks.after_step(self, self.completed_steps)
+        if cancel:
+            return True
+        every = hooks.checkpoint_every
+        done = self.completed_steps
+        if every and done % every == 0 and done < self.inner_steps:
+            hooks.checkpoint(self, done)
+        return False
 
     def _cancel_requested(self) -> bool:
         self.cancelled = self._hooks.cancel_requested(self, self.completed_steps)

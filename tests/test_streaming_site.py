@@ -1,0 +1,96 @@
+"""The site's side of streaming outer steps, without processes: the late merge of a fragment
+into the model (``site_client.shards.merge_pieces``), the fragment-only hand-off, and where a
+(re)started task begins (``site_client.streaming.StreamingRounds._start``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from site_client.shards import Piece, merge_pieces, write_update
+from site_client.streaming import StreamingRounds
+from site_client.trainer_round import RoundSpec
+from wire.fragments import StreamingConfig
+from wire.safetensors_io import map_tensors, write_tensors
+
+
+def pieces_of(tensors: dict[str, torch.Tensor]) -> list[Piece]:
+    return [Piece(n, t, (0,) * t.dim(), tuple(t.shape), True) for n, t in tensors.items()]
+
+
+@pytest.fixture
+def theta_file(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    theta = {"a.0.w": torch.randn(4, 3, generator=g), "b.1.w": torch.randn(5, generator=g)}
+    path = tmp_path / "theta.safetensors"
+    write_tensors(path, theta)
+    return theta, map_tensors(path)
+
+
+def test_alpha_zero_copies_the_fragment_exactly_and_leaves_the_rest(theta_file):
+    theta, mapped = theta_file
+    local = {"a.0.w": torch.full((4, 3), -0.0), "b.1.w": torch.full((5,), 7.0)}
+    wrong = merge_pieces(pieces_of(local), mapped, frozenset({"a.0.w"}), 0.0)
+    assert wrong == []
+    assert torch.equal(local["a.0.w"].view(torch.int32), theta["a.0.w"].view(torch.int32))
+    assert torch.equal(local["b.1.w"], torch.full((5,), 7.0))  # not in the fragment
+
+
+def test_alpha_mixes_local_and_global(theta_file):
+    theta, mapped = theta_file
+    before = torch.arange(5, dtype=torch.float32)
+    local = {"a.0.w": torch.zeros(4, 3), "b.1.w": before.clone()}
+    merge_pieces(pieces_of(local), mapped, frozenset({"b.1.w"}), 0.25)
+    assert torch.equal(local["b.1.w"], before * 0.25 + theta["b.1.w"] * 0.75)
+    assert torch.equal(local["a.0.w"], torch.zeros(4, 3))
+
+
+def test_a_piece_unlike_the_file_is_named(theta_file):
+    _, mapped = theta_file
+    local = {"a.0.w": torch.zeros(2, 3)}
+    assert merge_pieces(pieces_of(local), mapped, frozenset({"a.0.w"}), 0.5) == ["a.0.w"]
+    assert merge_pieces(pieces_of(local), mapped, frozenset({"a.0.w"}), 0.0) == ["a.0.w"]
+
+
+def test_the_hand_off_carries_only_the_fragment(theta_file, tmp_path):
+    theta, mapped = theta_file
+    local = {n: t + 1 for n, t in theta.items()}
+    out = write_update(pieces_of(local), mapped, tmp_path / "d.safetensors", frozenset({"b.1.w"}))
+    got = map_tensors(out).tensors
+    assert set(got) == {"b.1.w"}
+    assert torch.equal(got["b.1.w"], theta["b.1.w"] - local["b.1.w"])
+
+
+class _Session:
+    def __init__(self) -> None:
+        self.loaded: list[int] = []
+
+    def _load(self, pieces, theta, spec: RoundSpec) -> None:
+        self.loaded.append(spec.round)
+
+
+def start_of(extra, round_number: int, tau: int = 1, steps: int = 4):
+    session = _Session()
+    rounds = StreamingRounds(session, StreamingConfig(fragments=2, delay_steps=tau))
+    rounds.theta = SimpleNamespace(tensors={})
+    spec = RoundSpec(round_number, round_number, steps, 8, False, "x")
+    return rounds._start(extra, spec), session.loaded
+
+
+@pytest.mark.parametrize(
+    ("extra", "round_number", "want", "loads"),
+    [
+        (None, 0, (0, False), [0]),  # the first task: theta_0 whole
+        (None, 5, (0, False), [5]),  # joined late: theta_5 whole, nothing to merge
+        ({"round": 4, "step": 4}, 5, (0, True), []),  # the end of the round before: merge
+        ({"round": 3, "step": 4}, 5, (0, False), [5]),  # fell behind: theta_5 whole
+        ({"round": 5, "step": 1}, 5, (1, True), []),  # mid-task, before the merge step
+        ({"round": 5, "step": 3}, 5, (3, False), []),  # mid-task, after it
+        ({"round": 5, "step": 1, "merge_pending": 0}, 5, (1, False), []),  # said so
+        ({"round": 0, "step": 1}, 0, (1, False), []),  # round 0 has nothing to merge
+    ],
+)
+def test_where_a_task_starts(extra, round_number, want, loads):
+    assert start_of(extra, round_number) == (want, loads)
