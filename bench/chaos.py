@@ -31,6 +31,8 @@ sys.path.insert(0, str(TESTS))  # the scenarios and their harness live with the 
 
 from faults.scenarios import SCENARIOS, Result, reference_hash, run_scenario  # noqa: E402
 
+from bench.sync_report import print_table  # noqa: E402
+
 COLUMNS = ("scenario", "survived", "rounds lost", "double counted", "recovery s", "wall s")
 
 
@@ -45,12 +47,6 @@ def row(result: Result) -> tuple[str, ...]:
         recovery,
         f"{result.seconds:.0f}",
     )
-
-
-def print_table(rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(r[i]) for r in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
-    for r in [COLUMNS, *rows]:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
     print()
-    print_table(rows)
+    print_table(rows, COLUMNS)
     print(f"\nwall time {time.monotonic() - started:.0f}s")
     # Over the scenarios that survived: a failed one's "recovery" is when the harness gave up.
     recoveries = [

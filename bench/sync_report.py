@@ -11,7 +11,7 @@ def _rss(result, baseline: int) -> float:
     return (result.peak_rss - baseline) / (result.params * 4)
 
 
-def _table(rows: list[tuple[str, ...]], columns: tuple[str, ...]) -> None:
+def print_table(rows: list[tuple[str, ...]], columns: tuple[str, ...]) -> None:
     widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
     for r in [columns, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
@@ -37,14 +37,14 @@ def report(results, tiny, baseline: int, allreduce) -> None:
                 f"{_rss(r, baseline):.2f}x",
             )
         )
-    _table(rows, COLUMNS)
+    print_table(rows, COLUMNS)
     print()
     print("where the sync goes (median seconds per round; the push includes the wait for the")
     print("site checkpoint, shown on its own line):")
     names = sorted({k for r in results for k in r.phases})
     heads = ("phase", *(f"{r.size} {r.codec}" for r in results))
     body = [(n, *(f"{r.phases[n]:.3f}" if n in r.phases else "-" for r in results)) for n in names]
-    _table(body, heads)
+    print_table(body, heads)
     print()
     print(
         f"1 MiB model, default timeouts (5 s heartbeat): a round every {tiny.round_period_s:.3f}s"

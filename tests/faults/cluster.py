@@ -33,8 +33,17 @@ __all__ = ["Cluster", "JobSpec", "RunRecord", "SiteProcess"]
 class Cluster:
     """One job in ``folder``: ``start()``, inject faults, ``finish()``, ``close()``."""
 
-    def __init__(self, folder: Path, spec: JobSpec, faults_env: str = "") -> None:
+    def __init__(
+        self,
+        folder: Path,
+        spec: JobSpec,
+        faults_env: str = "",
+        delay_s: float = 0.0,
+        rate_bps: float | None = None,
+    ) -> None:
+        """``delay_s``, ``rate_bps``: every site's link from the start (see ``Relay``)."""
         self.folder = Path(folder)
+        self.link = (delay_s, rate_bps)
         self.spec = spec
         self.faults_env = faults_env
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -71,7 +80,11 @@ class Cluster:
         if self.faults_env:
             env["ISTHMUS_FAULTS"] = self.faults_env
         for i in range(self.spec.sites):
-            relay = Relay(target=("127.0.0.1", self.coordinator.port)).start()
+            relay = Relay(
+                target=("127.0.0.1", self.coordinator.port),
+                delay_s=self.link[0],
+                rate_bps=self.link[1],
+            ).start()
             self.relays.append(relay)
             tls_dir = None
             if self.spec.tls:
