@@ -35,6 +35,7 @@ from coordinator.rounds import next_round
 from coordinator.spool import UpdateSpool
 from coordinator.state import CoordinatorState
 from coordinator.store import Checkpoint
+from coordinator.streaming import RoundTensors
 from coordinator.uploads import UploadTable
 from strategies import RobustAggregator, Strategy
 from strategies.base import (
@@ -70,6 +71,7 @@ class CloseParts:
     events: EventLog
     stopping: threading.Event  # gives up waiting for disk space (``coordinator.disk``)
     evaluator: Evaluator | None = None  # ``[evaluation]``: given theta_{r+1} once published
+    tensors: RoundTensors | None = None  # with ``[streaming]``: the fragment each round syncs
 
 
 class ClosePipeline:
@@ -92,7 +94,7 @@ class ClosePipeline:
             if self.p.downlink is not None:
                 if nxt is theta:  # nothing counted: theta_r is being served, do not write it
                     nxt = ThetaBuffer.copy_of(theta.tensors)
-                self.p.downlink.step(theta.tensors, nxt.tensors, r)
+                self.p.downlink.step(theta.tensors, nxt.tensors, r, self._synced(r))
             clock.lap("downlink_s")
             strategy_state = check_state(self.p.strategy, call_hook(self.p.strategy, "state_dict"))
         except Exception as exc:
@@ -147,6 +149,8 @@ class ClosePipeline:
             log.warning("round %d: the running sum is not finite; combining again", r)
         updates = [u.as_site_update() for u in order.updates]
         like = {n: t for n, t in self.p.state.theta.tensors.items() if t.is_floating_point()}
+        if self.p.tensors is not None:  # [streaming]: the round's fragment (clipped as one)
+            like = self.p.tensors.restrict(like, r)
         self.p.aggregator.check(self.p.strategy, len(updates), like)
         return self.p.aggregator.aggregate(
             updates, like, r, needs_updates=self.p.strategy.needs_updates, metrics=metrics
@@ -247,6 +251,10 @@ class ClosePipeline:
         self.p.writer.submit(ckpt, written)
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _synced(self, round_number: int):
+        """The tensors round ``round_number``'s delta carries (None: all of theta)."""
+        return self.p.tensors.synced(round_number) if self.p.tensors is not None else None
 
     def _metrics(self, round_number: int, sites: list[str]) -> dict[str, dict[str, float]]:
         """What each site last reported for this round (protobuf sends 0 for "no loss")."""

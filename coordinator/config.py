@@ -9,8 +9,13 @@ written once (read by ``wire.config_table.load_table``): ``[model]`` in
 ``coordinator.model_source``, ``[aggregation]`` in ``strategies.robust``, ``[rounds]`` in
 ``coordinator.rounds``, ``[timeouts]`` in ``coordinator.failure_detector``, ``[speculation]`` in
 ``coordinator.speculation``, ``[compression]`` in ``wire.codecs.rules``, ``[events]`` in
-``coordinator.event_history`` and ``[evaluation]`` in ``coordinator.evaluation``. The rest are
-here, with the rules that span tables.
+``coordinator.event_history``, ``[evaluation]`` in ``coordinator.evaluation`` and
+``[streaming]`` in ``wire.fragments``. The rest are here, with the rules that span tables.
+
+With ``[streaming]`` (P fragments) each coordinator round syncs one fragment and covers
+``H / P`` inner steps, so ``JobConfig.rounds`` holds the *effective* rounds: ``total * P``
+rounds of ``inner_steps / P`` steps (``JobConfig.outer_rounds`` keeps the file's ``[rounds]``).
+The sites are handed the file as written (``source_toml``).
 
 Example::
 
@@ -60,10 +65,15 @@ Example::
     [evaluation]             # optional: fn(model, round) on the global model, off the round
     fn = "examples.gpt_diloco.evaluate:val_loss"
     every_rounds = 1         # theta_0, every N-th version and the last one
+
+    [streaming]              # optional: Streaming DiLoCo, one fragment syncs per round
+    fragments = 2            # P; rounds.inner_steps % P == 0 (federated data only)
+    delay_steps = 1          # tau < inner_steps / P: the site merges tau steps after sending
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,6 +102,7 @@ from wire.config_table import (
     positive,
     setting,
 )
+from wire.fragments import StreamingConfig, streaming_from_job
 
 __all__ = [
     "AggregationConfig",
@@ -104,6 +115,7 @@ __all__ = [
     "RoundsConfig",
     "ServerConfig",
     "StrategyConfig",
+    "StreamingConfig",
     "TimeoutsConfig",
     "load_config",
     "parse_config",
@@ -122,6 +134,7 @@ SECTIONS = (
     "server",
     "events",
     "evaluation",
+    "streaming",
 )
 DATA_MODES = ("federated", "shared")
 
@@ -190,6 +203,17 @@ class JobConfig:
     events: EventsConfig = field(default_factory=EventsConfig)
     # None: no server-side evaluation of the global model.
     evaluation: EvaluationConfig | None = None
+    # None: every round syncs every tensor. Set: one fragment per round, and ``rounds`` holds
+    # the effective rounds (see the module docstring).
+    streaming: StreamingConfig | None = None
+    # The ``[rounds]`` table as written: ``rounds`` itself unless ``[streaming]`` is set.
+    outer_rounds: RoundsConfig | None = None
+
+    @property
+    def outer_inner_steps(self) -> int:
+        """H, the inner steps between two syncs of the same tensor (``rounds.inner_steps`` as
+        written in the file)."""
+        return (self.outer_rounds or self.rounds).inner_steps
 
 
 def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> JobConfig:
@@ -228,6 +252,8 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
     if "evaluation" in data:
         evaluation = load_table(EvaluationConfig, data["evaluation"], "evaluation")
         needs_factory(evaluation, model.factory)
+    streaming = streaming_from_job(data)
+    effective = streaming_rounds(streaming, rounds, data_cfg)
     unknown = sorted(set(data) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key")
@@ -236,7 +262,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         job.state_dir,
         model,
         strategy,
-        rounds,
+        effective,
         timeouts,
         server,
         source,
@@ -247,7 +273,30 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         downlink,
         events,
         evaluation,
+        streaming,
+        rounds if streaming is not None else None,
     )
+
+
+def streaming_rounds(
+    streaming: StreamingConfig | None, rounds: RoundsConfig, data: DataConfig
+) -> RoundsConfig:
+    """The coordinator's rounds under ``[streaming]``: ``rounds.total * P`` rounds of
+    ``rounds.inner_steps / P`` inner steps, each syncing one fragment (``rounds`` itself
+    without the table). Only with federated data: see the refusal below."""
+    if streaming is None:
+        return rounds
+    streaming.check_steps(rounds.inner_steps)
+    if data.mode != "federated":
+        raise ConfigError(
+            f"streaming: needs data.mode = 'federated' (data.mode is {data.mode!r}). A "
+            "streaming site trains the first streaming.delay_steps steps of the next round on "
+            "its own continuing model before that round opens, while shared-data units are "
+            "handed out when a round opens and must give the same update wherever they run; "
+            "remove [streaming] or use data.mode = 'federated'"
+        )
+    p = streaming.fragments
+    return dataclasses.replace(rounds, total=rounds.total * p, inner_steps=rounds.inner_steps // p)
 
 
 def speculation_from_table(table: Any, data: DataConfig) -> SpeculationOptions:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from coordinator import recovery
+from coordinator import recovery, streaming
 from coordinator.accumulate import StreamingMean, start_sum
 from coordinator.checkpointing import CheckpointWriter
 from coordinator.close import CloseParts, ClosePipeline
@@ -44,6 +44,7 @@ from coordinator.round_driver import RoundDriver
 from coordinator.spool import UpdateSpool
 from coordinator.status import StatusSnapshot, snapshot_of
 from coordinator.store import CheckpointStore
+from coordinator.streaming import RoundTensors
 from coordinator.uploads import Upload, UploadTable
 from strategies import RobustAggregator, load_strategy
 
@@ -64,11 +65,13 @@ class CoordinatorCore:
         self.spool = UpdateSpool(cfg.state_dir / "spool")
         self.uploads = UploadTable(self.spool)
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
+        streaming.check_start(cfg.streaming, self.strategy)  # before any state is touched
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)
         # Before the start is counted: a damaged log refuses to start and changes nothing.
         self.events = EventLog(cfg.state_dir / "events.jsonl", cfg.events)
         self.members = Membership(self.store.next_epoch(), cfg.timeouts, cfg.rounds.max_sites)
-        self.downlink = Downlink(cfg.downlink) if cfg.downlink is not None else None
+        downlink = streaming.downlink_config(cfg.downlink, cfg.streaming)
+        self.downlink = Downlink(downlink) if downlink is not None else None
         self.sink = EventSink(self.events)
         # Set when the coordinator stops: what waits for disk space (coordinator.disk) gives up.
         self.stopping = threading.Event()
@@ -76,11 +79,14 @@ class CoordinatorCore:
         self._folder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fold")
         self._stopping = False
         self.state, self.data, self.trainable = recovery.load(self)
+        # With [streaming]: the fragment each round syncs (a plan that cannot be made stops
+        # the start here with its ConfigError).
+        self.tensors = RoundTensors.of(self.state.theta.tensors, self.trainable, cfg.streaming)
         self.intake = UpdateIntake(
             self.spool,
             self.uploads,
             {n: t.to("meta") for n, t in self.state.theta.tensors.items()},  # shapes only
-            self.trainable,
+            self.tensors,
             cfg.server.max_update_bytes,
             measure_norms=self.aggregator.clip_norm > 0,
         )
@@ -127,6 +133,7 @@ class CoordinatorCore:
             self.events,
             self.stopping,
             self.evaluator,
+            self.tensors,
         )
 
     def _start_evaluator(self) -> Evaluator | None:
@@ -179,7 +186,8 @@ class CoordinatorCore:
         if not self.aggregator.streams(self.strategy):
             return None
         s = self.state
-        running = start_sum(s.theta, self.trainable, self._folder, slots)
+        names = self.tensors.names(s.round.number)
+        running = start_sum(s.theta, names, self._folder, slots)
         for key, update in s.accepted.items():
             alpha = update.weight * self.aggregator.clip_scale(s.norms.get(key))
             running.offer(self.data.slot_of(key), key, update, alpha)
@@ -243,6 +251,7 @@ class CoordinatorCore:
             "total_rounds": self.cfg.rounds.total,
             "finished": s.finished,
             "participant": participant,
+            "fragment": self.tensors.fragment(s.round.number),
         }
         if self.data.kind == "shared":
             info["data_unit"] = unit

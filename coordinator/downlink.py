@@ -1,7 +1,10 @@
 """The coordinator's side of the compressed downlink.
 
 After each outer step ``Downlink.step`` encodes theta_{r+1} - theta_r once and returns the
-official theta_{r+1}: theta_r plus exactly what the sites will decode (``wire.downlink``). The
+official theta_{r+1}: theta_r plus exactly what the sites will decode (``wire.downlink``). With
+``[streaming]`` the delta holds only the round's fragment (codec "none" unless
+``[compression.downlink]`` says otherwise); residuals are kept per tensor, so each fragment
+carries its own error feedback from one of its syncs to the next. The
 error-feedback residuals and the delta being served go into the round's checkpoint, so a
 restarted coordinator serves the same bytes and continues with the same residuals: the
 crash-free and the crashed run stay bit-identical.
@@ -10,6 +13,7 @@ crash-free and the crashed run stay bit-identical.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from google.protobuf.message import DecodeError
@@ -36,11 +40,17 @@ class Downlink:
         self.payload: memoryview | bytes | None = None
 
     def step(
-        self, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], old_version: int
+        self,
+        old: dict[str, torch.Tensor],
+        new: dict[str, torch.Tensor],
+        old_version: int,
+        names: Sequence[str] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Make ``new`` (the strategy's theta_{old_version + 1}) the official one, in place:
-        theta_r plus exactly what the sites will decode."""
-        manifest, payload = encode_delta(old, new, self.config, self.codec_state)
+        theta_r plus exactly what the sites will decode. With ``names`` (``[streaming]``: the
+        round's fragment, the only tensors the step changed) the delta carries only those;
+        every other tensor of ``new`` is set to theta_r's."""
+        manifest, payload = encode_delta(old, new, self.config, self.codec_state, names)
         self.manifest, self.payload, self.from_version = manifest, payload, old_version
         return apply_delta(old, manifest, self.payload, out=new)
 

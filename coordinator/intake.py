@@ -25,6 +25,7 @@ from coordinator.spool import (
     read_into,
     read_tensors,
 )
+from coordinator.streaming import RoundTensors
 from coordinator.uploads import (
     Upload,
     UploadBusy,
@@ -47,20 +48,25 @@ class UpdateIntake:
         spool: UpdateSpool,
         uploads: UploadTable,
         theta: dict[str, torch.Tensor],
-        trainable: list[str],
+        tensors: RoundTensors,
         max_update_bytes: int,
         measure_norms: bool,
     ) -> None:
         self.spool, self.uploads = spool, uploads
-        self.theta, self.trainable = theta, trainable  # only names, shapes and dtypes are read
+        self.theta = theta  # only names, shapes and dtypes are read
+        self.tensors = tensors  # which of them each round's updates carry
         self.max_update_bytes = max_update_bytes
         self.measure_norms = measure_norms
 
     def open(self, header: PushHeader, admission: Admission) -> Upload:
-        """Start (or resume) receiving an admitted push."""
+        """Start (or resume) receiving an admitted push. Its manifest must carry exactly the
+        tensors of the round it is summed into (``admission.storage_round``)."""
+        r = admission.storage_round
         try:
             manifest = Manifest.from_proto(header.manifest, self.max_update_bytes)
-            check_update_manifest(manifest, self.theta, self.trainable)
+            check_update_manifest(
+                manifest, self.theta, self.tensors.names(r), self.tensors.scope(r)
+            )
         except PayloadError as exc:
             raise Refused("invalid", f"bad update manifest: {exc}") from exc
         try:

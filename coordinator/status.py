@@ -31,6 +31,7 @@ class StatusSnapshot:
     units_pending: tuple[str, ...]
     waiting_reason: str
     evaluation: Evaluation | None = None
+    fragments: int = 0  # [streaming] fragments; 0 without
 
 
 def snapshot_of(core, now: float) -> StatusSnapshot:
@@ -62,6 +63,7 @@ def snapshot_of(core, now: float) -> StatusSnapshot:
         units_pending=pending,
         waiting_reason=core.waiting_reason(),
         evaluation=s.evaluation,
+        fragments=core.tensors.fragments,
     )
 
 
@@ -114,6 +116,7 @@ def status_reply(snap: StatusSnapshot) -> pb.StatusReply:
             if ev is not None
             else None
         ),
+        fragments=snap.fragments,
     )
 
 
@@ -146,6 +149,7 @@ def format_status(s: pb.StatusReply) -> str:
     r = s.round
     lines = [
         f"job {s.job_name}  round {r.round}/{r.total_rounds}"
+        + (f" (fragment {r.fragment} of {s.fragments})" if s.fragments else "")
         + ("  (finished)" if r.finished else "")
         + f"  theta {r.theta_hash.hex()[:12]}  strategy {s.strategy}"
         + (f"  aggregation {s.aggregation}" if s.aggregation and s.aggregation != "mean" else ""),

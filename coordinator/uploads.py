@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,18 +21,28 @@ from coordinator.spool import UpdateSpool
 from wire.chunking import Reassembler
 from wire.tensors import Manifest, PayloadError, TensorEntry
 
+if TYPE_CHECKING:
+    from coordinator.streaming import RoundFragment
+
 UPDATE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def check_update_manifest(
-    manifest: Manifest, theta: dict[str, torch.Tensor], trainable: list[str]
+    manifest: Manifest,
+    theta: dict[str, torch.Tensor],
+    trainable: Sequence[str],
+    fragment: RoundFragment | None = None,
 ) -> None:
-    """An update must carry exactly the trainable tensors of theta, with their shapes: each
-    one whole, or in pieces that tile it (see ``check_tiling``)."""
+    """An update must carry exactly the tensors ``trainable`` of theta (every trainable one;
+    with ``[streaming]`` the round's ``fragment``), with their shapes: each one whole, or in
+    pieces that tile it (see ``check_tiling``)."""
+    expected = set(trainable)
     for name, entries in manifest.pieces().items():
         if name not in theta:
             raise PayloadError(f"unknown tensor name {name!r} (not in the model)")
-        if name not in trainable:
+        if name not in expected:
+            if fragment is not None and theta[name].is_floating_point():
+                raise PayloadError(fragment.outside(name))
             raise PayloadError(f"tensor {name!r} is not trainable and must not be sent")
         shape = tuple(theta[name].shape)
         for e in entries:
@@ -46,6 +58,8 @@ def check_update_manifest(
             check_tiling(name, shape, entries)
     names = {e.name for e in manifest.entries}
     missing = [n for n in trainable if n not in names]
+    if missing and fragment is not None:
+        raise PayloadError(fragment.missing(missing))
     if missing:
         raise PayloadError(f"update is missing tensor(s) {missing[:5]}")
 

@@ -77,9 +77,11 @@ class Aggregate:
     Attributes
     ----------
     mean_delta
-        ``sum_i w_i * delta_i / sum_i w_i`` in float32 for every floating-point tensor; with
-        ``aggregation.method = "median"`` or ``"trimmed_mean"`` the coordinate-wise median or
-        trimmed mean of the updates instead (unweighted, as in Yin et al. 2018).
+        ``sum_i w_i * delta_i / sum_i w_i`` in float32 for every floating-point tensor (with
+        ``[streaming]``: for the tensors of the round's fragment only; the step leaves the
+        others as they are); with ``aggregation.method = "median"`` or ``"trimmed_mean"`` the
+        coordinate-wise median or trimmed mean of the updates instead (unweighted, as in Yin
+        et al. 2018).
     total_weight
         ``sum_i w_i`` over the counted updates.
     weights

@@ -16,7 +16,9 @@ example-weighted mean pseudo-gradient (``theta_r - mean theta_i``, i.e. minus Re
 from its 1-based server round plus one; ``bias_correction = false`` gives Reddi's plain
 ``eta``. Yogi and Adagrad use ``eta`` throughout. ``eta_l`` is the sites' learning rate: kept
 for Flower compatibility and shown in the status line, it does not enter the server step (set
-the inner learning rate in the training script). State is float32; the step count is saved too.
+the inner learning rate in the training script). State is float32; the step counts are saved too:
+each tensor's own (``t.NAME``: with ``[streaming]`` a tensor steps only in its fragment's rounds,
+and its t counts those steps) and the number of outer steps (``steps``).
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ class FedOpt(Strategy):
         super().__init__(config or self.Config())
         self.m: Tensors = {}
         self.v: Tensors = {}
-        self.steps = 0
+        self.steps = 0  # outer steps taken
+        self.counts: dict[str, int] = {}  # steps each tensor took (its bias-correction t)
 
     def second_moment(self, v: torch.Tensor, g2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -119,12 +122,15 @@ class FedOpt(Strategy):
         return self.config.eta
 
     def outer_step(self, theta: Tensors, aggregate: Aggregate) -> Tensors:
+        """One step of the tensors in ``aggregate.mean_delta``; each tensor's ``eta_t`` counts
+        its own steps (``[streaming]`` steps one fragment per round), which is the global
+        count when every tensor steps every round."""
         cfg = self.config
-        eta = self.eta_t(self.steps + 1)
         out = dict(theta)
         new_m: Tensors = {}
         new_v: Tensors = {}
         for name, g in aggregate.mean_delta.items():
+            eta = self.eta_t(self.counts.get(name, 0) + 1)
             g = g.to(torch.float32)
             zero = torch.zeros_like(g)
             m = cfg.beta_1 * self.m.get(name, zero) + (1 - cfg.beta_1) * g
@@ -134,19 +140,27 @@ class FedOpt(Strategy):
         # Committed only once every tensor succeeded: a failed step leaves the state as it was.
         self.m.update(new_m)
         self.v.update(new_v)
+        for name in new_m:
+            self.counts[name] = self.counts.get(name, 0) + 1
         self.steps += 1
         return out
 
     def state_dict(self) -> Tensors:
         state = {f"m.{k}": v for k, v in self.m.items()}
         state.update({f"v.{k}": v for k, v in self.v.items()})
+        state.update({f"t.{k}": torch.tensor(n, dtype=torch.int64) for k, n in self.counts.items()})
         state["steps"] = torch.tensor(self.steps, dtype=torch.int64)
         return state
 
     def load_state_dict(self, state: Tensors) -> None:
+        """Restore ``state_dict``'s state. A checkpoint written before per-tensor counts has
+        only ``steps``: every tensor with a moment took that many (they all stepped every
+        round)."""
         self.m = {k[2:]: v.to(torch.float32) for k, v in state.items() if k.startswith("m.")}
         self.v = {k[2:]: v.to(torch.float32) for k, v in state.items() if k.startswith("v.")}
         self.steps = int(state["steps"]) if "steps" in state else 0
+        counts = {k[2:]: int(v) for k, v in state.items() if k.startswith("t.")}
+        self.counts = counts or dict.fromkeys(self.m, self.steps)
 
 
 class FedAdam(FedOpt):

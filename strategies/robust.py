@@ -8,7 +8,9 @@ Applied at round close, before the strategy's outer step, in this order:
    threshold is rejected; only large norms count, since a small update cannot pull the
    aggregate far. It needs at least 3 finite updates.
 2. **Clipping.** With ``clip_norm > 0`` each update is scaled to an L2 norm (over all its
-   tensors) of at most ``clip_norm``.
+   tensors) of at most ``clip_norm``. With ``[streaming]`` an update carries one fragment, so
+   it is clipped by the norm of its fragment alone (``clip_norm`` bounds each fragment's
+   update, not the whole model's).
 3. **Combining.** ``mean``: the strategy-weighted mean, streamed one update at a time in
    site-name order (memory: one float32 model). ``median`` / ``trimmed_mean``: coordinate-wise
    and unweighted, as in Yin et al. (2018) and Flower's FedMedian / FedTrimmedAvg; the trimmed

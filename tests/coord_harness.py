@@ -48,6 +48,22 @@ def tiny_model(d_in: int = 8, d_out: int = 16) -> torch.nn.Module:
 TRAINABLE = ("lin.bias", "lin.weight")
 
 
+class BlocksModel(torch.nn.Module):
+    """``blocks`` linear layers (``blocks.B.weight``, ``blocks.B.bias``), an embedding and a
+    head outside any block, and an integer buffer: what ``[streaming]`` splits in fragments."""
+
+    def __init__(self, blocks: int = 4, d: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, d)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(blocks))
+        self.head = torch.nn.Linear(d, 4)
+        self.register_buffer("seen", torch.arange(3, dtype=torch.int64))
+
+
+def blocks_model(blocks: int = 4, d: int = 8) -> torch.nn.Module:
+    return BlocksModel(blocks, d)
+
+
 def _toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"

@@ -13,7 +13,7 @@ import torch
 
 from coordinator.spool import UpdateSpool
 from site_client.coordinator_client import CoordinatorClient, GlobalState
-from strategies import RobustAggregator, Strategy
+from strategies import FedAvg, RobustAggregator, Strategy
 from strategies.robust import Outcome, close_round
 from wire.backoff import BackoffPolicy
 from wire.tensors import pack
@@ -52,6 +52,12 @@ class QuadraticSite:
         """The pseudo-gradient theta_r - theta_site, in theta's dtype (as a site computes it)."""
         local = self.train(theta)
         return {k: theta[k] - local[k] for k in theta if theta[k].is_floating_point()}
+
+
+class TakesEveryUpdate(FedAvg):
+    """FedAvg that asks for every update one by one (as the Flower adapters do)."""
+
+    needs_updates = True
 
 
 def make_sites(n: int = 4) -> dict[str, QuadraticSite]:

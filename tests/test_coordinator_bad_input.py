@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import threading
 import time
 import uuid
@@ -645,3 +646,53 @@ def test_abandoned_uploads_of_closed_rounds_are_let_go(tmp_path):
     assert not busy.file.closed, "an upload being received is left to its stream"
     assert not newer.file.closed
     assert table.in_progress() == 2
+
+
+def test_streaming_updates_must_carry_exactly_the_round_fragment(tmp_path):
+    """In process, ``[streaming] fragments = 2``: a tensor of the other fragment, a missing
+    tensor of the round's, or the whole model, are refused naming the fragment, and nothing
+    stored changes; the good updates then change theta on the fragment only."""
+    from core_helpers import Clock, new_core, push
+
+    from coordinator.records import Refused
+
+    core = new_core(
+        tmp_path,
+        Clock(),
+        model={"factory": "coord_harness:blocks_model", "kwargs": {"blocks": 4, "d": 4}},
+        rounds={"inner_steps": 2},
+        streaming={"fragments": 2},
+    )
+    tokens = {s: core.join(s)[0].token for s in ("site-a", "site-b")}
+    core.tick()
+    assert core.round.opened_at is not None and core.round_info()["fragment"] == 0
+    mine, other = core.tensors.names(0), core.tensors.names(1)
+    before, held = state_hash(core.theta), {n: t.clone() for n, t in core.theta.items()}
+    good = {n: torch.full_like(core.theta[n], 0.01) for n in mine}
+    stray = other[0]
+    bad = {
+        f"tensor '{stray}' is in fragment 1; round 0 syncs fragment 0 of 2 ([streaming])": {
+            **good,
+            stray: torch.zeros_like(core.theta[stray]),
+        },
+        f"missing tensor(s) ['{mine[0]}'] of fragment 0 of 2, which round 0 syncs": {
+            n: t for n, t in good.items() if n != mine[0]
+        },
+        "is in fragment 1; round 0 syncs fragment 0 of 2": {
+            n: torch.zeros_like(core.theta[n]) for n in core.trainable
+        },
+    }
+    for i, (message, delta) in enumerate(bad.items()):
+        with pytest.raises(Refused, match=re.escape(message)) as info:
+            push(core, "site-a", tokens["site-a"], 0, delta, upload_id=f"bad-{i}")
+        assert info.value.code == "invalid"
+    assert state_hash(core.theta) == before
+    assert core.state.accepted == {} and core.round.received == {}
+    assert core.spool.completed(0) == [] and core.uploads.in_progress() == 0
+    for site, token in tokens.items():
+        assert push(core, site, token, 0, good)
+    core.tick()
+    assert core.round.number == 1 and core.round_info()["fragment"] == 1
+    changed = [n for n in sorted(core.theta) if not torch.equal(core.theta[n], held[n])]
+    assert changed == sorted(mine)
+    core.close()

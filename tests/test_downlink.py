@@ -89,13 +89,75 @@ def test_a_bad_delta_is_refused_and_theta_is_left_alone():
         apply_delta(old, manifest, bad)
     with pytest.raises(PayloadError, match="bytes"):
         apply_delta(old, manifest, bytes(payload)[:-1])
-    with pytest.raises(PayloadError, match="missing"):
-        apply_delta({**old, "extra": torch.ones(2)}, manifest, payload)
+    with pytest.raises(PayloadError, match=r"unexpected tensor\(s\) \['w'\]"):
+        apply_delta({k: v for k, v in old.items() if k != "w"}, manifest, payload)
     with pytest.raises(PayloadError, match="shape"):
         apply_delta({**old, "w": torch.zeros(33, 64)}, manifest, payload)
     with pytest.raises(PayloadError, match="dtype"):
         apply_delta({**old, "steps": torch.zeros(3, dtype=torch.int32)}, manifest, payload)
     assert state_hash(old) == before
+
+
+def test_a_partial_delta_changes_only_its_tensors():
+    """[streaming]: a delta of one fragment; the other tensors stay theta_r's, copied into a
+    separate ``out`` (and left alone when ``out`` holds them), and the residuals of tensors
+    outside the delta are kept for their own next sync."""
+    old = _theta()
+    new = {**old, "w": old["w"] + 0.25}
+    state = CodecState()
+    manifest, payload = encode_delta(
+        old, new, CompressionConfig.from_dict(CODECS["int4"]), state, names=["w"]
+    )
+    assert [e.name for e in manifest.entries] == ["w"]
+    assert state.state_dict().keys() == {k for k in state.state_dict() if k.startswith("w")}
+    fresh = apply_delta(old, manifest, payload)
+    assert fresh.keys() == old.keys()
+    for name in ("b", "steps", "empty"):
+        assert torch.equal(fresh[name], old[name])
+        assert fresh[name].data_ptr() != old[name].data_ptr() or old[name].numel() == 0
+    assert not torch.equal(fresh["w"], old["w"])
+    out = {k: torch.full_like(v, 7) for k, v in old.items()}  # a file's stale bytes
+    into = apply_delta(old, manifest, bytes(payload), out=out)
+    assert state_hash(into) == state_hash(fresh)
+    assert all(into[k] is out[k] for k in out)
+    same = {k: v.clone() for k, v in old.items()}
+    b_ptr = same["b"].data_ptr()
+    apply_delta(same, manifest, payload, out=same)  # in place: the others are not touched
+    assert state_hash(same) == state_hash(fresh) and same["b"].data_ptr() == b_ptr
+    with pytest.raises(ValueError, match="does not have"):
+        encode_delta(old, new, CompressionConfig(), CodecState(), names=["nope"])
+
+
+def test_a_partial_delta_is_checked_before_anything_is_written():
+    old = _theta()
+    manifest, payload = encode_delta(old, old, CompressionConfig(), CodecState(), names=["w"])
+    out = {k: v.clone() for k, v in old.items()}
+    before = state_hash(out)
+    with pytest.raises(PayloadError, match="shape"):
+        apply_delta({**old, "w": torch.zeros(33, 64)}, manifest, payload, out=out)
+    with pytest.raises(PayloadError, match="unexpected"):
+        apply_delta({"b": old["b"]}, manifest, payload, out=out)
+    assert state_hash(out) == before
+
+
+def test_downlink_step_of_a_fragment_round_trips_a_checkpoint():
+    cfg = CompressionConfig.from_dict(CODECS["int4"])
+    a, theta = Downlink(cfg), _theta()
+    new = {**theta, "w": theta["w"] + 0.1}
+    official = a.step(theta, dict(new), old_version=2, names=["w"])
+    assert [e.name for e in a.manifest.entries] == ["w"]
+    assert torch.equal(official["b"], theta["b"])
+    b = Downlink(cfg)
+    b.load_state_dict(a.state_dict(), theta_version=3)
+    assert b.payload == a.payload and b.from_version == 2
+    nxt = {**official, "b": (official["b"].float() + 0.5).to(torch.bfloat16)}
+    x = a.step(official, {k: v.clone() for k, v in nxt.items()}, 3, names=["b"])
+    y = b.step(official, {k: v.clone() for k, v in nxt.items()}, 3, names=["b"])
+    assert a.payload == b.payload and state_hash(x) == state_hash(y)
+    # w's residual survives a round it does not sync: both hold the same one.
+    ra, rb = a.codec_state.state_dict(), b.codec_state.state_dict()
+    assert ra.keys() == rb.keys() and any(k.startswith("w") for k in ra)
+    assert all(torch.equal(ra[k], rb[k]) for k in ra)
 
 
 def test_theta_that_changes_its_tensors_cannot_be_encoded():

@@ -15,6 +15,7 @@ import torch
 from coordinator.spool import UpdateSpool
 from strategies import Aggregate, FedAdagrad, FedAdam, FedAvgM, FedYogi, StrategyError
 from strategies import load_strategy as load
+from strategies.base import apply_in_float32
 
 try:
     from . import strategy_helpers as sh
@@ -126,8 +127,11 @@ def test_state_dict_round_trip_continues_identically(tmp_path, cls):
     a = cls()
     theta = rounds(a, sh.theta0(), 0, 3)
     state = a.state_dict()
-    assert all(v.dtype == torch.float32 for k, v in state.items() if k != "steps")
-    assert {k.split(".", 1)[1] for k in state if k != "steps"} == set(sh.SHAPES)
+    counts = {k for k in state if k == "steps" or k.startswith("t.")}  # FedOpt's step counts
+    moments = {k: v for k, v in state.items() if k not in counts}
+    assert all(v.dtype == torch.float32 for v in moments.values())
+    assert {k.split(".", 1)[1] for k in moments} == set(sh.SHAPES)
+    assert counts in (set(), {"steps"} | {f"t.{n}" for n in sh.SHAPES})
     b = cls()
     b.load_state_dict({k: v.clone() for k, v in state.items()})
     ta = rounds(a, theta, 3, 5)
@@ -162,7 +166,9 @@ def test_bf16_theta_stays_bf16_with_float32_state(tmp_path, name):
             strategy, UpdateSpool(tmp_path / f"r{r}"), r, theta, deltas, {s: 1.0 for s in sites}
         )
     assert all(v.dtype == torch.bfloat16 for v in theta.values())
-    assert all(v.dtype == torch.float32 for k, v in strategy.state_dict().items() if k != "steps")
+    state = strategy.state_dict()
+    moments = {k: v for k, v in state.items() if k != "steps" and not k.startswith("t.")}
+    assert moments and all(v.dtype == torch.float32 for v in moments.values())
 
 
 def test_int_tensors_pass_through_unchanged():
@@ -212,3 +218,77 @@ def test_fedavg_noniid_example_runs_and_learns(capsys):
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3, 4]
     first, last = ([float(x) for x in r[1:]] for r in (rows[0], rows[-1]))
     assert all(b > a + 0.2 for a, b in zip(first, last, strict=True)), (first, last)
+
+
+class _GlobalCountFedAdam(FedAdam):
+    """FedAdam as it was before per-tensor step counts: one eta_t for all tensors."""
+
+    def outer_step(self, theta, aggregate):
+        cfg = self.config
+        eta = self.eta_t(self.steps + 1)
+        out = dict(theta)
+        for name, g in aggregate.mean_delta.items():
+            zero = torch.zeros_like(g)
+            m = cfg.beta_1 * self.m.get(name, zero) + (1 - cfg.beta_1) * g
+            v = self.second_moment(self.v.get(name, zero), g * g)
+            self.m[name], self.v[name] = m, v
+            out[name] = apply_in_float32(theta[name], eta * m / (v.sqrt() + cfg.tau))
+        self.steps += 1
+        return out
+
+
+def _grads(r: int, names) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + r)
+    return {n: 0.1 * torch.randn(4, 3, generator=g) for n in names}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_per_tensor_counts_are_the_global_count_when_every_tensor_steps():
+    names = ("a", "b", "c")
+    theta = {n: torch.ones(4, 3) for n in names}
+    new, old = FedAdam(), _GlobalCountFedAdam()
+    ta, tb = dict(theta), dict(theta)
+    for r in range(5):
+        ta = new.outer_step(ta, Aggregate(_grads(r, names), 1.0, {}, r))
+        tb = old.outer_step(tb, Aggregate(_grads(r, names), 1.0, {}, r))
+    assert _equal(ta, tb)
+    assert new.counts == dict.fromkeys(names, 5) and new.steps == 5
+
+
+def test_a_checkpoint_without_per_tensor_counts_loads_as_the_global_count():
+    names = ("a", "b")
+    theta = {n: torch.ones(4, 3) for n in names}
+    run = FedAdam()
+    for r in range(3):
+        theta = run.outer_step(theta, Aggregate(_grads(r, names), 1.0, {}, r))
+    old_format = {k: v for k, v in run.state_dict().items() if not k.startswith("t.")}
+    resumed = FedAdam()
+    resumed.load_state_dict(old_format)
+    assert resumed.counts == {"a": 3, "b": 3}
+    agg = Aggregate(_grads(3, names), 1.0, {}, 3)
+    assert _equal(run.outer_step(theta, agg), resumed.outer_step(theta, agg))
+
+
+@pytest.mark.parametrize("cls", [FedAdam, FedYogi, FedAdagrad])
+def test_fragment_steps_equal_one_instance_per_fragment(cls):
+    """[streaming]: fragment r % 2 steps in round r. One strategy over both fragments gives
+    the same bits as a separate instance per fragment that steps whenever its fragment does
+    (each tensor's bias correction counts its own steps), also across a checkpoint."""
+    frags = (("a", "b"), ("c",))
+    theta = {n: torch.ones(4, 3) for f in frags for n in f}
+    whole, parts = cls(), [cls(), cls()]
+    tw, tp = dict(theta), dict(theta)
+    for r in range(7):
+        names = frags[r % 2]
+        agg = Aggregate(_grads(r, names), 1.0, {}, r)
+        tw = whole.outer_step(tw, agg)
+        tp = parts[r % 2].outer_step(tp, agg)
+        if r == 2:  # a restart in between
+            again = cls()
+            again.load_state_dict({k: v.clone() for k, v in whole.state_dict().items()})
+            whole = again
+        assert _equal(tw, tp)
+    assert whole.counts == {"a": 4, "b": 4, "c": 3}

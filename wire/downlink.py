@@ -11,12 +11,14 @@ Rules of the payload:
 * floating tensors travel as a float32 delta, encoded by the codec the rules pick; applying it
   is ``(theta_r.float() + decoded).to(dtype)``, element by element one IEEE add, so every
   machine gets the same bits;
-* other tensors (integer buffers, flags) travel whole and replace the old value.
+* other tensors (integer buffers, flags) travel whole and replace the old value;
+* a payload may carry only some tensors (``[streaming]``: one fragment per round): the others
+  stay as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -32,6 +34,7 @@ def encode_delta(
     new: Mapping[str, torch.Tensor],
     config: CompressionConfig,
     state: CodecState,
+    names: Collection[str] | None = None,
 ) -> tuple[Manifest, memoryview]:
     """Encode ``new - old`` for the downlink.
 
@@ -43,6 +46,9 @@ def encode_delta(
         Codec rules for the downlink (``[compression.downlink]``).
     state
         Error-feedback residuals of the downlink, updated in place.
+    names
+        Encode only these tensors (``[streaming]``: the round's fragment); None: all of them.
+        ``apply_delta`` leaves the others as they are.
 
     Returns
     -------
@@ -58,18 +64,27 @@ def encode_delta(
         a, b = old[name], new[name]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise ValueError(f"{name}: theta changed shape or dtype ({a.shape} -> {b.shape})")
-    return pack_encoded(_Deltas(old, new), config, state)
+    unknown = sorted(set(names) - old.keys()) if names is not None else []
+    if unknown:
+        raise ValueError(f"delta asked for tensors theta does not have: {unknown[:5]}")
+    return pack_encoded(_Deltas(old, new, names), config, state)
 
 
 class _Deltas:
     """``new - old`` tensor by tensor, in name order, made only when asked for: encoding the
     delta never holds more than one of them."""
 
-    def __init__(self, old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        old: Mapping[str, torch.Tensor],
+        new: Mapping[str, torch.Tensor],
+        names: Collection[str] | None = None,
+    ) -> None:
         self.old, self.new = old, new
+        self.names = sorted(old) if names is None else sorted(names)
 
     def items(self):
-        for name in sorted(self.old):
+        for name in self.names:
             a, b = self.old[name], self.new[name]
             if a.is_floating_point():
                 yield name, b.detach().to(torch.float32) - a.detach().to(torch.float32)
@@ -85,23 +100,27 @@ def apply_delta(
 ) -> dict[str, torch.Tensor]:
     """theta_{r+1} from theta_r and a downlink payload; ``old`` is not modified.
 
-    With ``out`` (tensors shaped like ``old``, e.g. views of the file or buffer theta_{r+1}
-    goes to) the result is written there, else into new tensors. ``out`` may be the very
-    tensors the delta was encoded from. Names, shapes and dtypes are checked before anything
-    is written; a tensor whose codec data fails to decode leaves ``out`` partly written.
+    The manifest may cover only some of theta's tensors (``[streaming]``: the fragment the
+    round changed); every other tensor is theta_r's, copied into ``out`` (or a new tensor)
+    unless ``out`` holds that very tensor. With ``out`` (tensors shaped like ``old``, e.g.
+    views of the file or buffer theta_{r+1} goes to) the result is written there, else into
+    new tensors. ``out`` may be the very tensors the delta was encoded from. Names, shapes and
+    dtypes are checked before anything is written; a tensor whose codec data fails to decode
+    leaves ``out`` partly written.
 
     Raises
     ------
     PayloadError
-        The payload does not fit ``old`` (names, shapes, dtypes) or does not decode; ``old``
-        is untouched, so the caller still holds a whole theta_r.
+        The payload names a tensor theta does not have, does not fit ``old`` (shapes,
+        dtypes) or does not decode; ``old`` is untouched, so the caller still holds a whole
+        theta_r.
     """
     validate_payload(manifest, payload)
     entries = manifest.by_name()
-    if entries.keys() != old.keys():
-        missing, extra = sorted(old.keys() - entries.keys()), sorted(entries.keys() - old.keys())
-        raise PayloadError(f"delta does not fit theta: missing {missing}, unexpected {extra}")
-    for name in sorted(old):
+    extra = sorted(entries.keys() - old.keys())
+    if extra:
+        raise PayloadError(f"delta does not fit theta: unexpected tensor(s) {extra[:5]}")
+    for name in sorted(entries):
         _check_entry(name, entries[name], old[name])
     writable = isinstance(payload, bytearray) or (
         isinstance(payload, memoryview) and not payload.readonly
@@ -109,8 +128,13 @@ def apply_delta(
     buf = payload if writable else bytearray(payload)
     result: dict[str, torch.Tensor] = {}
     for name in sorted(old):
-        e, held = entries[name], old[name]
+        e, held = entries.get(name), old[name]
         target = out[name] if out is not None else torch.empty_like(held)
+        if e is None:  # not in the delta: unchanged
+            if target.data_ptr() != held.data_ptr():
+                target.copy_(held)
+            result[name] = target
+            continue
         raw = (
             torch.frombuffer(buf, dtype=torch.uint8, count=e.nbytes, offset=e.offset)
             if e.nbytes

@@ -81,7 +81,7 @@ class JoinRequest(_message.Message):
     def __init__(self, site: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., have_version: _Optional[int] = ..., have_hash: _Optional[bytes] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("round", "version", "theta_hash", "inner_steps", "total_rounds", "finished", "participant", "data_unit", "update_wanted", "site_index", "num_sites")
+    __slots__ = ("round", "version", "theta_hash", "inner_steps", "total_rounds", "finished", "participant", "data_unit", "update_wanted", "site_index", "num_sites", "fragment")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     THETA_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class RoundInfo(_message.Message):
     UPDATE_WANTED_FIELD_NUMBER: _ClassVar[int]
     SITE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SITES_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     round: int
     version: int
     theta_hash: bytes
@@ -104,7 +105,8 @@ class RoundInfo(_message.Message):
     update_wanted: bool
     site_index: int
     num_sites: int
-    def __init__(self, round: _Optional[int] = ..., version: _Optional[int] = ..., theta_hash: _Optional[bytes] = ..., inner_steps: _Optional[int] = ..., total_rounds: _Optional[int] = ..., finished: _Optional[bool] = ..., participant: _Optional[bool] = ..., data_unit: _Optional[str] = ..., update_wanted: _Optional[bool] = ..., site_index: _Optional[int] = ..., num_sites: _Optional[int] = ...) -> None: ...
+    fragment: int
+    def __init__(self, round: _Optional[int] = ..., version: _Optional[int] = ..., theta_hash: _Optional[bytes] = ..., inner_steps: _Optional[int] = ..., total_rounds: _Optional[int] = ..., finished: _Optional[bool] = ..., participant: _Optional[bool] = ..., data_unit: _Optional[str] = ..., update_wanted: _Optional[bool] = ..., site_index: _Optional[int] = ..., num_sites: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("lease", "round", "job_name", "job_config", "heartbeat_interval_s")
@@ -289,7 +291,7 @@ class SiteStatus(_message.Message):
     def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., last_update_age_s: _Optional[float] = ..., last_round_pushed: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., phi: _Optional[float] = ..., suspected: _Optional[bool] = ..., data_units: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out", "rejections", "aggregation", "data_mode", "units_committed", "units_pending", "evaluation")
+    __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out", "rejections", "aggregation", "data_mode", "units_committed", "units_pending", "evaluation", "fragments")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SITES_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +308,7 @@ class StatusReply(_message.Message):
     UNITS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     UNITS_PENDING_FIELD_NUMBER: _ClassVar[int]
     EVALUATION_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     round: RoundInfo
     sites: _containers.RepeatedCompositeFieldContainer[SiteStatus]
@@ -322,7 +325,8 @@ class StatusReply(_message.Message):
     units_committed: _containers.RepeatedScalarFieldContainer[str]
     units_pending: _containers.RepeatedScalarFieldContainer[str]
     evaluation: Evaluation
-    def __init__(self, job_name: _Optional[str] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., updates_received: _Optional[int] = ..., updates_expected: _Optional[int] = ..., round_age_s: _Optional[float] = ..., waiting_reason: _Optional[str] = ..., strategy: _Optional[str] = ..., wan_bytes_in: _Optional[int] = ..., wan_bytes_out: _Optional[int] = ..., rejections: _Optional[_Iterable[str]] = ..., aggregation: _Optional[str] = ..., data_mode: _Optional[str] = ..., units_committed: _Optional[_Iterable[str]] = ..., units_pending: _Optional[_Iterable[str]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ...) -> None: ...
+    fragments: int
+    def __init__(self, job_name: _Optional[str] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., updates_received: _Optional[int] = ..., updates_expected: _Optional[int] = ..., round_age_s: _Optional[float] = ..., waiting_reason: _Optional[str] = ..., strategy: _Optional[str] = ..., wan_bytes_in: _Optional[int] = ..., wan_bytes_out: _Optional[int] = ..., rejections: _Optional[_Iterable[str]] = ..., aggregation: _Optional[str] = ..., data_mode: _Optional[str] = ..., units_committed: _Optional[_Iterable[str]] = ..., units_pending: _Optional[_Iterable[str]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ..., fragments: _Optional[int] = ...) -> None: ...
 
 class Evaluation(_message.Message):
     __slots__ = ("version", "metrics", "seconds")
