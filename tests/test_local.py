@@ -101,6 +101,23 @@ def test_the_loop_form_trains_the_same_model(explicit, tmp_path):
     assert len(want[1]) == 4, want
 
 
+def test_streaming_with_one_fragment_no_delay_is_blocking_diloco(explicit, tmp_path):
+    """``[streaming] fragments = 1, delay_steps = 0, merge_alpha = 0`` takes the streaming
+    loop (train on after the hand-off, merge before the next round's step 0) and must give
+    blocking DiLoCo's final theta bit for bit."""
+    cmd = local_command(tmp_path / "run", rounds=2)
+    at = cmd.index("--")
+    cmd[at:at] = ["--set", "streaming.fragments=1", "--set", "streaming.delay_steps=0"]
+    result = run(cmd)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    got = read_card(tmp_path / "run" / "coordinator" / "final" / "model.safetensors")
+    want = read_card(explicit[0] / "run" / "coordinator" / "final" / "model.safetensors")
+    assert got.theta_sha256 == want.theta_sha256
+    timings = (tmp_path / "run" / "site-0" / "trainer_timings.jsonl").read_text().splitlines()
+    merges = [json.loads(x) for x in timings if '"kind": "merge"' in x]
+    assert [(m["round"], m["step"]) for m in merges] == [(1, 0)], merges  # the streaming loop ran
+
+
 @pytest.mark.slow
 def test_the_same_job_twice_gives_the_same_model(explicit, tmp_path):
     """The README's claim, run to run on one machine: the same table, the same final theta."""
