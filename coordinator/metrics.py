@@ -178,6 +178,10 @@ def _site_families(snap: StatusSnapshot):
         "site_round": ("The round the site last reported", lambda s: float(s.progress.round)),
         "site_inner_step": ("The inner step it last reported", lambda s: s.progress.inner_step),
         "site_train_loss": ("Its last reported train loss", lambda s: s.progress.train_loss),
+        "site_merge_wait_seconds": (
+            "Seconds its trainers waited for late fragment results (streaming), in all",
+            lambda s: s.progress.merge_wait_s,
+        ),
     }
     for name, (doc, value) in per_site.items():
         family = GaugeMetricFamily(PREFIX + name, doc, labels=["site"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -155,6 +156,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             "inner_step": p.inner_step,
             "train_loss": p.train_loss,
             "phase": p.phase[:32],  # shown in every Status reply: keep it small
+            "merge_wait_s": p.merge_wait_s if math.isfinite(p.merge_wait_s) else 0.0,
         }
         lease, info, cancels = self.core.heartbeat(
             request.lease.site, request.lease.token, progress

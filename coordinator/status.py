@@ -89,6 +89,7 @@ def _site_status(core, name: str, now: float) -> pb.SiteStatus:
             inner_step=p.get("inner_step", 0),
             train_loss=p.get("train_loss", 0.0),
             phase=p.get("phase", ""),
+            merge_wait_s=p.get("merge_wait_s", 0.0),
         ),
     )
 
@@ -181,6 +182,7 @@ def format_status(s: pb.StatusReply) -> str:
         "UNITS",
         "PHASE",
         "LOSS",
+        "MERGE WAIT",
     )
     rows = [
         (
@@ -197,6 +199,7 @@ def format_status(s: pb.StatusReply) -> str:
             if x.progress.phase
             else "-",
             f"{x.progress.train_loss:.4f}" if x.progress.train_loss else "-",
+            f"{x.progress.merge_wait_s:.1f}s" if x.progress.merge_wait_s else "-",
         )
         for x in s.sites
     ]

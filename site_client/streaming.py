@@ -62,7 +62,10 @@ class StreamingRounds:
         if spec.finished:
             return self._finish(spec)
         start, pending = self._start(extra, spec)
-        hooks = s._hooks(model, optimizer, before_step=self._before_step)
+        # A checkpoint is not awaited after each step, as the blocking loop does: the task's
+        # end is written while the next round trains ahead (the update counts only once it is
+        # on disk, and the next save waits for it), rather than blocking its first step.
+        hooks = s._hooks(model, optimizer, before_step=self._before_step, settle=_no_wait)
         while True:
             rnd = Round(spec, start, hooks)
             rnd.merge_pending = pending
@@ -163,3 +166,7 @@ class StreamingRounds:
 def _ahead(spec: RoundSpec) -> RoundSpec:
     """The next round as the trainers start it, before the agent has heard of it."""
     return dataclasses.replace(spec, round=spec.round + 1, version=-1, theta_path="", theta_hash="")
+
+
+def _no_wait() -> None:
+    return None

@@ -226,12 +226,12 @@ class SiteSession:
 
     # ---- pieces ---------------------------------------------------------------------------
 
-    def _hooks(self, model, optimizer, before_step=None) -> RoundHooks:
+    def _hooks(self, model, optimizer, before_step=None, settle=None) -> RoundHooks:
         return RoundHooks(
             cancel_requested=self._cancel_requested,
             after_step=self._after_step,
             checkpoint=lambda rnd, step: self._checkpoint(model, optimizer, rnd, step),
-            settle=self.checkpointer.wait,
+            settle=settle or self.checkpointer.wait,
             checkpoint_every=self.checkpoint_every,
             report=self.report,
             record=self._record,

@@ -157,6 +157,9 @@ class TrainerChannel:
         record["site"] = self.cfg.site
         with self.state.cond:
             self.state.transfers.reported(record)
+            wait = record.get("merge_wait_s")
+            if isinstance(wait, int | float) and wait > 0:  # streaming: shown in status
+                self.state.progress.merge_wait_s += float(wait)
         with open(self.cfg.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         shown = "  ".join(

@@ -133,3 +133,29 @@ def test_status_shows_the_fragment(tmp_path):
         assert "fragment" not in text and plain.round_info()["fragment"] == 0
     finally:
         plain.close()
+
+
+def test_status_and_metrics_show_how_long_each_site_waited_at_merges(tmp_path):
+    """The agents add up their trainers' merge waits into the heartbeat's progress."""
+    from coordinator.metrics import SnapshotCollector
+    from coordinator.status import format_status, status_reply
+
+    core, tokens = _core(tmp_path, {"fragments": 2}, rounds={"max_sites": 2})
+    try:
+        progress = {"round": 0, "inner_step": 1, "phase": "training", "merge_wait_s": 2.5}
+        core.heartbeat("site-a", tokens["site-a"], progress)
+        reply = status_reply(core.snapshot())
+        waits = {s.site: s.progress.merge_wait_s for s in reply.sites}
+        assert waits == {"site-a": 2.5, "site-b": 0.0}
+        lines = format_status(reply).splitlines()
+        header = next(x for x in lines if x.startswith("SITE"))
+        assert header.endswith("MERGE WAIT")
+        row = {x.split()[0]: x for x in lines if x.startswith("site-")}
+        assert row["site-a"].endswith("2.5s") and row["site-b"].endswith("-")
+        families = {f.name: f for f in SnapshotCollector(core.snapshot).collect()}
+        samples = {
+            s.labels["site"]: s.value for s in families["isthmus_site_merge_wait_seconds"].samples
+        }
+        assert samples == {"site-a": 2.5, "site-b": 0.0}
+    finally:
+        core.close()

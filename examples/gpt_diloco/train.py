@@ -115,12 +115,16 @@ def batch(s: Setup, rnd: Round, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 class ValLoss:
     """Reports the validation loss of theta_r as a round starts: once per round (not per
-    unit of it, nor again after a restart mid-round)."""
+    unit of it, nor again after a restart mid-round). Not with streaming outer steps, where a
+    round starts from the site's own model, not theta_r (the coordinator's ``[evaluation]``
+    measures the global model there)."""
 
     def __init__(self, s: Setup) -> None:
         self.s, self.last = s, -1
 
     def __call__(self, rnd: Round) -> None:
+        if self.s.session.streaming is not None:
+            return
         if rnd.start_step == 0 and rnd.number != self.last:
             s = self.s
             rnd.report(val_loss=evaluate(s.model, s.corpus, s.args.eval_batches, s.args.batch_size))
