@@ -76,6 +76,7 @@ from bench.utilisation_report import (  # noqa: E402
     Result,
     figures,
     final_val_loss,
+    headline,
     plot,
     site_use,
     table,
@@ -123,12 +124,13 @@ class UtilisationSpec(JobSpec):
 class Setting:
     mode: str
     codec: str
+    link_mbit: float
     fragments: int = 1
     delay_steps: int = 0
 
     @property
     def slug(self) -> str:
-        return f"{self.mode}-{self.codec}"
+        return f"{self.mode}-{self.codec}-{self.link_mbit:g}mbit"
 
 
 @dataclass
@@ -138,7 +140,7 @@ class Plan:
     model: dict
     rounds: int
     inner_steps: int
-    rate_bps: float
+    link_mbit: float  # the main link: every codec runs on it
     delay_s: float
     timeout_s: float
     settings: list[Setting] = field(default_factory=list)
@@ -171,7 +173,8 @@ def run(folder: Path, setting: Setting, plan: Plan) -> Result:
         deadline_s=plan.timeout_s,
     )
     started = time.monotonic()
-    with Cluster(folder, spec, delay_s=plan.delay_s, rate_bps=plan.rate_bps) as cluster:
+    rate_bps = setting.link_mbit * 1e6 / 8
+    with Cluster(folder, spec, delay_s=plan.delay_s, rate_bps=rate_bps) as cluster:
         cluster.start()
         record = cluster.finish(timeout=plan.timeout_s)
         counters = [relay.counters() for relay in cluster.relays]
@@ -192,6 +195,7 @@ def run(folder: Path, setting: Setting, plan: Plan) -> Result:
         sites=[site_use(d) for d in run_dirs],
         bytes_up=sum(c.bytes_up for c in counters),
         bytes_down=sum(c.bytes_down for c in counters),
+        link_mbit=setting.link_mbit,
         val_loss=sum(losses) / len(losses),
         seconds=time.monotonic() - started,
     )
@@ -214,11 +218,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a short smoke run (about a minute)")
     p.add_argument("--modes", default=",".join(MODES), help="of blocking, streaming")
     p.add_argument("--codecs", help=f"of {', '.join(CODECS)} (default all; quick: fp32)")
-    p.add_argument("--rounds", type=int, help="outer rounds (default 4; quick 2)")
-    p.add_argument("--inner-steps", type=int, help="H (default 64; quick 16)")
+    p.add_argument("--rounds", type=int, help="outer rounds (default 3; quick 2)")
+    p.add_argument("--inner-steps", type=int, help="H (default 128; quick 16)")
     p.add_argument("--fragments", type=int, default=4, help="streaming's P")
     p.add_argument("--delay-steps", type=int, help="streaming's tau (default H/P - 1)")
-    p.add_argument("--rate-mbps", type=float, default=2.0, help="MB/s per direction per site")
+    p.add_argument("--link-mbit", type=float, default=10.0, help="the main link: Mbit/s per "
+                   "direction per site (every codec runs there)")  # fmt: skip
+    p.add_argument("--sweep-mbit", default="5,20", help="other link rates, fp32 only ('' none)")
     p.add_argument("--delay-ms", type=float, default=50.0, help="one-way delay")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--out", type=Path, help="runs' folders and the plot (default: a temp dir)")
@@ -231,7 +237,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     for name, chosen, known in (("--modes", modes, MODES), ("--codecs", codecs, CODECS)):
         if unknown := sorted(set(chosen) - set(known)):
             raise SystemExit(f"{name}: unknown {unknown[0]!r}; choose from {', '.join(known)}")
-    h = args.inner_steps or (16 if args.quick else 64)
+    h = args.inner_steps or (16 if args.quick else 128)
     p = args.fragments
     tau = args.delay_steps if args.delay_steps is not None else max(0, h // p - 1)
     if p < 1 or h % p or tau >= h // p:
@@ -241,13 +247,20 @@ def make_plan(args: argparse.Namespace) -> Plan:
         modes = [m for m in modes if m != "streaming"]
     plan = Plan(
         model=QUICK_MODEL if args.quick else MODEL,
-        rounds=args.rounds or (2 if args.quick else 4),
+        rounds=args.rounds or (2 if args.quick else 3),
         inner_steps=h,
-        rate_bps=args.rate_mbps * 1e6,
+        link_mbit=args.link_mbit,
         delay_s=args.delay_ms / 1000,
         timeout_s=args.timeout,
     )
-    plan.settings = [Setting(m, c, p, tau) for m in modes for c in codecs]
+    sweep = [] if args.quick else [float(x) for x in args.sweep_mbit.split(",") if x.strip()]
+    rates = sorted({args.link_mbit, *sweep})
+    plan.settings = [
+        Setting(m, c, rate, p, tau)
+        for c in codecs
+        for rate in (rates if c == "fp32" else [args.link_mbit])
+        for m in modes
+    ]
     return plan
 
 
@@ -261,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     model = ", ".join(f"{k} {v}" for k, v in plan.model.items())
     params = model_params(plan.model)
     short = f"GPT {params / 1e6:.2f} M params ({params * 4 / 1e6:.1f} MB fp32)"
-    link = f"{plan.rate_bps / 1e6:g} MB/s and {plan.delay_s * 1000:g} ms each way per site"
+    link = f"{plan.link_mbit:g} Mbit/s and {plan.delay_s * 1000:g} ms each way per site"
     print(
         f"{len(plan.settings)} runs of 2 sites x {plan.rounds} rounds x H {plan.inner_steps}; "
         f"{short}: {model}; link {link}; folders in {root}",
@@ -290,9 +303,12 @@ def main(argv: list[str] | None = None) -> int:
         "a fragment's merge;\nbytes: both sites' relays, theta_0 and the final theta included."
     )
     png = root / "utilisation.png"
-    plot(results, png, f"2 sites, {plan.rounds} rounds of H {plan.inner_steps}, {short}\n{link}")
+    title = f"2 sites, {plan.rounds} rounds of H {plan.inner_steps}, {short}, {link}"
+    plot(results, png, title, plan.link_mbit)
     print(f"\nplot: {png}; total {time.monotonic() - started:.0f}s")
     print(" ".join(f"{k}={v}" for k, v in figures(results).items()))
+    last = headline(results, plan.link_mbit, 2 * plan.delay_s * 1000, params * 4 / 1e6)
+    print(" ".join(f"{k}={v}" for k, v in last.items()))
     return 0
 
 

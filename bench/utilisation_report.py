@@ -5,7 +5,6 @@ line."""
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,17 +112,18 @@ class Result:
     sites: list[SiteUse]
     bytes_up: int
     bytes_down: int
+    link_mbit: float = 0.0
     val_loss: float = float("nan")
     seconds: float = 0.0  # the whole run: start-up and shut-down included
     notes: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
-        return f"{self.mode} {self.codec}"
+        return f"{self.mode} {self.codec} {self.link_mbit:g} Mbit/s"
 
     @property
     def key(self) -> str:
-        return f"util_{self.mode}_{self.codec}"
+        return f"util_{self.mode}_{self.codec}_{self.link_mbit:g}mbit"
 
     @property
     def utilisation(self) -> float:
@@ -140,7 +140,8 @@ class Result:
 
 def table(results: list[Result]) -> None:
     n = max(len(r.sites) for r in results)
-    columns = ("mode", "codec", "P", "tau", *(f"util s{i}" for i in range(n)), "util mean")
+    columns = ("mode", "codec", "Mbit/s", "P", "tau")
+    columns += (*(f"util s{i}" for i in range(n)), "util mean")
     columns += ("up MB", "down MB", "wall s", "blocked s/round", "val loss")
     rows = []
     for r in results:
@@ -149,6 +150,7 @@ def table(results: list[Result]) -> None:
             (
                 r.mode,
                 r.codec,
+                f"{r.link_mbit:g}",
                 str(r.fragments),
                 str(r.delay_steps),
                 *utils,
@@ -164,18 +166,32 @@ def table(results: list[Result]) -> None:
 
 
 def figures(results: list[Result]) -> dict[str, str]:
-    """The last line's ``key=value`` pairs: each run's mean utilisation, and streaming's over
-    blocking's on fp32 (and on each other codec both modes ran)."""
-    out = {r.key: f"{r.utilisation:.4f}" for r in results}
-    by_key = {r.key: r.utilisation for r in results}
-    for codec in dict.fromkeys(r.codec for r in results):
-        blocking, streaming = (
-            by_key.get(f"util_blocking_{codec}"),
-            by_key.get(f"util_streaming_{codec}"),
+    """Each run's mean utilisation, by mode, codec and link rate (the line before last)."""
+    return {r.key: f"{r.utilisation:.4f}" for r in results}
+
+
+def headline(results: list[Result], link_mbit: float, rtt_ms: float, model_mb: float) -> dict:
+    """The last line: fp32 blocking and streaming at the main link rate, and that link."""
+
+    def at(mode: str) -> Result | None:
+        return next(
+            (r for r in results if (r.mode, r.codec, r.link_mbit) == (mode, "fp32", link_mbit)),
+            None,
         )
-        if blocking and streaming and not math.isnan(blocking):
-            suffix = "" if codec == "fp32" else f"_{codec}"
-            out[f"streaming_over_blocking{suffix}"] = f"{streaming / blocking:.3f}"
+
+    blocking, streaming = at("blocking"), at("streaming")
+    nan = float("nan")
+    out = {
+        "blocking_cu": f"{blocking.utilisation if blocking else nan:.4f}",
+        "streaming_cu": f"{streaming.utilisation if streaming else nan:.4f}",
+        "link_mbit": f"{link_mbit:g}",
+        "rtt_ms": f"{rtt_ms:g}",
+        "model_mb": f"{model_mb:.2f}",
+        "fragments": str(streaming.fragments if streaming else 0),
+        "tau": str(streaming.delay_steps if streaming else 0),
+    }
+    if blocking and streaming:
+        out["streaming_over_blocking"] = f"{streaming.utilisation / blocking.utilisation:.3f}"
     return out
 
 
@@ -184,29 +200,42 @@ def parse_figures(line: str) -> dict[str, float]:
     return {k: float(v) for k, v in (item.split("=", 1) for item in line.split())}
 
 
-def plot(results: list[Result], path: Path, title: str) -> None:
-    """Bars: each run's mean utilisation; dots: its sites."""
+def plot(results: list[Result], path: Path, title: str, link_mbit: float) -> None:
+    """Left: utilisation against link rate (fp32), both modes. Right: each codec at the main
+    link rate. Dots: the sites."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(results) + 2), 4.5))
-    xs = range(len(results))
-    colours = ["tab:grey" if r.mode == "blocking" else "tab:blue" for r in results]
-    ax.bar(xs, [r.utilisation for r in results], color=colours, alpha=0.8)
-    for x, r in zip(xs, results, strict=True):
-        ax.scatter([x] * len(r.sites), [s.utilisation for s in r.sites], color="black", s=12)
-        ax.text(x, 0.03, f"{r.utilisation:.2f}", ha="center", color="white")
-    labels = [f"{r.mode}\n{r.codec}" for r in results]
-    labels = [
-        f"{label}\nP={r.fragments} tau={r.delay_steps}" if r.mode == "streaming" else label
-        for label, r in zip(labels, results, strict=True)
-    ]
-    ax.set_xticks(list(xs), labels)
-    ax.set_ylim(0, 1.05)
-    ax.set_ylabel("compute utilisation (inner steps / wall)")
-    ax.set_title(title, fontsize=9)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    colours = {"blocking": "tab:grey", "streaming": "tab:blue"}
+    for mode, colour in colours.items():
+        runs = sorted(
+            (r for r in results if r.mode == mode and r.codec == "fp32"), key=lambda r: r.link_mbit
+        )
+        if runs:
+            xs = [r.link_mbit for r in runs]
+            left.plot(xs, [r.utilisation for r in runs], "o-", color=colour, label=mode)
+            for r in runs:
+                left.scatter([r.link_mbit] * len(r.sites), [s.utilisation for s in r.sites],
+                             color="black", s=10)  # fmt: skip
+    left.set_xscale("log", base=2)
+    left.set_xlabel("link rate per direction per site (Mbit/s)")
+    left.set_ylabel("compute utilisation (inner steps / wall)")
+    left.set_ylim(0, 1.05)
+    left.axhline(0.95, color="tab:blue", linestyle=":", linewidth=0.8)
+    left.legend()
+    left.set_title("float32 both ways", fontsize=9)
+    main = [r for r in results if r.link_mbit == link_mbit]
+    xs = range(len(main))
+    right.bar(xs, [r.utilisation for r in main], color=[colours[r.mode] for r in main])
+    for x, r in zip(xs, main, strict=True):
+        right.text(x, 0.03, f"{r.utilisation:.2f}", ha="center", color="white")
+    right.set_xticks(list(xs), [f"{r.mode}\n{r.codec}" for r in main])
+    right.set_ylim(0, 1.05)
+    right.set_title(f"codecs both ways at {link_mbit:g} Mbit/s", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -41,6 +41,8 @@ from site_client.trainer_round import Round, RoundSpec
 from wire.fragments import FragmentPlan, StreamingConfig, fragment_plan
 from wire.safetensors_io import MappedTensors, map_tensors
 
+PROGRESS_S = 0.25  # how often rank 0 tells the agent its step
+
 
 class StreamingRounds:
     """``SiteSession.rounds`` for a streaming job (see the module docstring)."""
@@ -52,6 +54,7 @@ class StreamingRounds:
         self.theta: MappedTensors | None = None
         self.pieces: list = []
         self._superseded: RoundSpec | None = None
+        self._reported = float("-inf")
 
     def run(self, model: torch.nn.Module, optimizer) -> Iterator[Round]:
         s = self.s
@@ -65,7 +68,13 @@ class StreamingRounds:
         # A checkpoint is not awaited after each step, as the blocking loop does: the task's
         # end is written while the next round trains ahead (the update counts only once it is
         # on disk, and the next save waits for it), rather than blocking its first step.
-        hooks = s._hooks(model, optimizer, before_step=self._before_step, settle=_no_wait)
+        hooks = s._hooks(
+            model,
+            optimizer,
+            before_step=self._before_step,
+            settle=_no_wait,
+            cancel_requested=self._progress,
+        )
         while True:
             rnd = Round(spec, start, hooks)
             rnd.merge_pending = pending
@@ -112,6 +121,15 @@ class StreamingRounds:
                 return 0, True
         self.s._load(self.pieces, self.theta, spec)
         return 0, False
+
+    def _progress(self, rnd: Round, step: int) -> bool:
+        """Progress for the agent at most every ``PROGRESS_S``, and no collective: nothing
+        cancels a streaming task (federated data), so the ranks need not agree each step."""
+        now = time.monotonic()
+        if self.s.ipc is not None and (now - self._reported >= PROGRESS_S or step == 0):
+            self.s._progress(rnd, step)
+            self._reported = now
+        return False
 
     def _before_step(self, rnd: Round, step: int) -> bool:
         """At step tau of a continuing task: wait for its theta and merge the last fragment."""

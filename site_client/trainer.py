@@ -226,9 +226,11 @@ class SiteSession:
 
     # ---- pieces ---------------------------------------------------------------------------
 
-    def _hooks(self, model, optimizer, before_step=None, settle=None) -> RoundHooks:
+    def _hooks(
+        self, model, optimizer, before_step=None, settle=None, cancel_requested=None
+    ) -> RoundHooks:
         return RoundHooks(
-            cancel_requested=self._cancel_requested,
+            cancel_requested=cancel_requested or self._cancel_requested,
             after_step=self._after_step,
             checkpoint=lambda rnd, step: self._checkpoint(model, optimizer, rnd, step),
             settle=settle or self.checkpointer.wait,
@@ -371,19 +373,19 @@ class SiteSession:
         """Report progress; whether the agent says stop, agreed on by every rank."""
         cancel = False
         if self.ipc:
-            reply = self.ipc.call(
-                "progress",
-                round=rnd.number,
-                data_unit=rnd.data_unit,
-                step=step,
-                loss=rnd.loss if rnd.loss == rnd.loss else 0.0,
-            )
-            cancel = bool(reply.get("cancel"))
+            cancel = bool(self._progress(rnd, step).get("cancel"))
         # Rank 0 alone hears the agent; every rank must leave the loop at the same step, or
         # the ones that go on would wait forever in their next collective.
         flag = torch.tensor([1 if cancel else 0], dtype=torch.int64)
         dist.broadcast(flag, src=0)
         return bool(flag.item())
+
+    def _progress(self, rnd: Round, step: int) -> dict:
+        """Tell the agent where rank 0 is (shown in status); its reply."""
+        loss = rnd.loss if rnd.loss == rnd.loss else 0.0
+        return self.ipc.call(
+            "progress", round=rnd.number, data_unit=rnd.data_unit, step=step, loss=loss
+        )
 
     def _after_step(self, rnd: Round, step: int) -> None:
         here = (self.site, rnd.number, step, self.rank, self.restart_count)

@@ -14,6 +14,7 @@ from bench.utilisation_report import (
     Result,
     SiteUse,
     figures,
+    headline,
     parse_figures,
     site_use,
 )
@@ -79,21 +80,35 @@ def test_no_steps_records_is_an_error(tmp_path: Path):
 
 
 def test_last_line_figures_round_trip():
-    def result(mode: str, codec: str, utilisations: list[float]) -> Result:
+    def result(mode: str, codec: str, utilisations: list[float], mbit: float = 10.0) -> Result:
         sites = [SiteUse(1, u, 1.0, 0.0, 0.0) for u in utilisations]
-        return Result(mode, codec, 4, 2, sites, 0, 0)
+        return Result(mode, codec, 4 if mode == "streaming" else 1, 2, sites, 0, 0, mbit)
 
     runs = [
         result("blocking", "fp32", [0.4, 0.6]),
         result("streaming", "fp32", [0.8, 0.9]),
+        result("blocking", "fp32", [0.7, 0.7], mbit=20.0),
         result("streaming", "int8", [0.9, 0.9]),
     ]
     got = parse_figures(" ".join(f"{k}={v}" for k, v in figures(runs).items()))
     assert got == pytest.approx(
         {
-            "util_blocking_fp32": 0.5,
-            "util_streaming_fp32": 0.85,
-            "util_streaming_int8": 0.9,
+            "util_blocking_fp32_10mbit": 0.5,
+            "util_streaming_fp32_10mbit": 0.85,
+            "util_blocking_fp32_20mbit": 0.7,
+            "util_streaming_int8_10mbit": 0.9,
+        }
+    )
+    last = parse_figures(" ".join(f"{k}={v}" for k, v in headline(runs, 10.0, 100, 3.5).items()))
+    assert last == pytest.approx(
+        {
+            "blocking_cu": 0.5,
+            "streaming_cu": 0.85,
+            "link_mbit": 10,
+            "rtt_ms": 100,
+            "model_mb": 3.5,
+            "fragments": 4,
+            "tau": 2,
             "streaming_over_blocking": 1.7,
         }
     )
@@ -110,8 +125,11 @@ def test_quick_run_end_to_end(tmp_path: Path):
         timeout=280,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    got = parse_figures(done.stdout.strip().splitlines()[-1])
-    assert "util_blocking_fp32" in got
-    utils = {k: v for k, v in got.items() if k.startswith("util_")}
+    *_, runs, last = done.stdout.strip().splitlines()
+    utils = parse_figures(runs)
+    assert set(utils) == {"util_blocking_fp32_10mbit", "util_streaming_fp32_10mbit"}, utils
     assert all(0.0 < v <= 1.0 and not math.isnan(v) for v in utils.values()), utils
+    got = parse_figures(last)
+    assert 0.0 < got["blocking_cu"] <= 1.0 and 0.0 < got["streaming_cu"] <= 1.0, got
+    assert (got["link_mbit"], got["rtt_ms"], got["fragments"]) == (10, 100, 4), got
     assert (tmp_path / "utilisation.png").stat().st_size > 0
