@@ -18,6 +18,13 @@ checkpoint:
 * anything else (the first task, a site that rejoined or fell behind): theta_r is loaded whole
   at step 0 and nothing is merged in that round.
 
+No periodic checkpoint is written while a merge is pending (the steps before tau of a task that
+continues from the last): until that merge, the newest checkpoint is the end of the round whose
+fragment is in flight. A site restarted whole while that round is still open is handed it
+again, and only that checkpoint can hand over the same update again (theta_r - its model at
+the round's end); resumed from a later one, the task would start over from theta_r and train
+another model. A crash before the merge so costs at most tau steps, trained again the same way.
+
 The last round's end waits for the final theta, as blocking DiLoCo does. If the task the agent
 hands out at a merge is not the one the trainers went on with (the job moved past it while this
 site was slow, or ended), the steps trained ahead are dropped and the trainers start that task
@@ -75,6 +82,7 @@ class StreamingRounds:
             settle=_no_wait,
             cancel_requested=self._progress,
         )
+        hooks = dataclasses.replace(hooks, checkpoint=_unless_merge_pending(hooks.checkpoint))
         while True:
             rnd = Round(spec, start, hooks)
             rnd.merge_pending = pending
@@ -179,6 +187,16 @@ class StreamingRounds:
         self._use(spec)
         self.s._load(self.pieces, self.theta, spec)
         self.s.final = spec
+
+
+def _unless_merge_pending(checkpoint):
+    """The periodic checkpoint hook, skipped while ``rnd.merge_pending`` (module docstring)."""
+
+    def hook(rnd: Round, step: int) -> None:
+        if not rnd.merge_pending:
+            checkpoint(rnd, step)
+
+    return hook
 
 
 def _ahead(spec: RoundSpec) -> RoundSpec:

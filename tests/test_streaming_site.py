@@ -1,6 +1,7 @@
 """The site's side of streaming outer steps, without processes: the late merge of a fragment
 into the model (``site_client.shards.merge_pieces``), the fragment-only hand-off, and where a
-(re)started task begins (``site_client.streaming.StreamingRounds._start``)."""
+(re)started task begins (``site_client.streaming.StreamingRounds._start``), and no periodic
+checkpoint while a merge is pending."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from site_client.shards import Piece, merge_pieces, write_update
-from site_client.streaming import StreamingRounds
-from site_client.trainer_round import RoundSpec
+from site_client.streaming import StreamingRounds, _unless_merge_pending
+from site_client.trainer_round import Round, RoundHooks, RoundSpec
 from wire.fragments import StreamingConfig
 from wire.safetensors_io import map_tensors, write_tensors
 
@@ -94,3 +95,29 @@ def start_of(extra, round_number: int, tau: int = 1, steps: int = 4):
 )
 def test_where_a_task_starts(extra, round_number, want, loads):
     assert start_of(extra, round_number) == (want, loads)
+
+
+@pytest.mark.parametrize(("pending", "want"), [(True, [3]), (False, [1, 2, 3])])
+def test_no_periodic_checkpoint_before_a_pending_merge(pending, want):
+    """A site killed whole while its fragment is in flight is handed that round again: its
+    newest checkpoint must still be the round's end, not a step ahead (a fault-matrix find)."""
+    tau, written = 2, []
+
+    def before_step(rnd: Round, step: int) -> bool:
+        if step == tau:
+            rnd.merge_pending = False  # what StreamingRounds._before_step does once merged
+        return True
+
+    hooks = RoundHooks(
+        cancel_requested=lambda rnd, step: False,
+        after_step=lambda rnd, step: None,
+        checkpoint=_unless_merge_pending(lambda rnd, step: written.append(step)),
+        settle=lambda: None,
+        checkpoint_every=1,
+        report=lambda **metrics: None,
+        before_step=before_step,
+    )
+    rnd = Round(RoundSpec(5, -1, 4, 8, False), 0, hooks)
+    rnd.merge_pending = pending
+    assert list(rnd.steps()) == [0, 1, 2, 3]
+    assert written == want  # step 4 is the task's end, written by the hand-over

@@ -115,10 +115,11 @@ class Cluster:
         self.watcher.stopped.set()
         self.watcher.join(5)
         self.watcher.scan()
-        final_meta = self.state / "checkpoints" / f"round-{self.spec.rounds:08d}" / "meta.json"
+        total = self.spec.coordinator_rounds  # theta_{total} closes the last coordinator round
+        final_meta = self.state / "checkpoints" / f"round-{total:08d}" / "meta.json"
         final = json.loads(final_meta.read_text()) if final_meta.exists() else {}
         return RunRecord(
-            total_rounds=self.spec.rounds,
+            total_rounds=total,
             site_codes=codes,
             coordinator_code=coord_code,
             checkpoints=self.watcher.closed_rounds(),

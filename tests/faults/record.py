@@ -14,7 +14,7 @@ from pathlib import Path
 class RunRecord:
     """What a run left behind, read after every process has ended."""
 
-    total_rounds: int
+    total_rounds: int  # coordinator rounds (outer rounds x fragments in a streaming job)
     site_codes: dict[str, int | None]
     coordinator_code: int | None
     checkpoints: dict[int, list[dict]]  # round closed -> every distinct meta seen closing it

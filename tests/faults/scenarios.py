@@ -15,6 +15,7 @@ from pathlib import Path
 from faults import coordinator_faults as coord
 from faults import link_faults as link
 from faults import site_faults as site
+from faults import streaming_faults as streaming
 from faults.cluster import Cluster, JobSpec, RunRecord
 from faults.invariants import Verdict, judge
 
@@ -111,6 +112,23 @@ SCENARIOS: list[Scenario] = [
         JobSpec(tls=False),
     ),
     Scenario("stale token replayed", link.replay_stale_push, slow=False),
+    Scenario(
+        "streaming: site trainer killed while a fragment is in flight",
+        streaming.kill_trainer_ahead,
+        streaming.SLOW_CLOSE,
+        slow=False,
+        faults_env=streaming.TRAINER_FAULT,
+    ),
+    Scenario(
+        "streaming: site agent killed while fragments in flight",
+        streaming.kill_agent_while_pushing_ahead,
+        streaming.STREAMING,
+    ),
+    Scenario(
+        "streaming: coordinator killed with a fragment in flight",
+        streaming.kill_coordinator_ahead,
+        streaming.STREAMING,
+    ),
 ]
 
 _references: dict[tuple, str] = {}

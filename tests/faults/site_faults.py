@@ -40,7 +40,7 @@ def kill_while_training(c: Cluster) -> None:
 
     def mid_round(site) -> None:
         done = [cp for cp in site.checkpointed() if cp[0] == ROUND]
-        assert max(done)[1] < c.spec.inner_steps, f"killed after training ended: {done}"
+        assert max(done)[1] < c.spec.round_steps, f"killed after training ended: {done}"
 
     _restart(c, 0, mid_round)
 
@@ -54,7 +54,7 @@ def kill_while_pushing(c: Cluster) -> None:
     site, relay = c.sites[0], c.relays[0]
     c.wait_trained(site, ROUND, 2)
     relay.set_rate(SLOW_BPS, direction="up")
-    c.wait_trained(site, ROUND, c.spec.inner_steps)  # steps done: the update is handed over
+    c.wait_trained(site, ROUND, c.spec.round_steps)  # steps done: the update is handed over
     sent = relay.counters().bytes_up
     c.wait_for(lambda: relay.counters().bytes_up > sent + 20_000, 30, "the push to stream")
     reply = c.status()

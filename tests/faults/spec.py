@@ -1,5 +1,9 @@
 """The job a fault run trains: a small GPT (examples/gpt_diloco) with DiLoCo, two sites by
-default, short rounds and timeouts scaled so a run takes seconds."""
+default, short rounds and timeouts scaled so a run takes seconds.
+
+With ``fragments > 1`` or ``delay_steps > 0`` it is a streaming job (``[streaming]``,
+``wire.fragments``): each of the ``rounds`` outer rounds is ``fragments`` coordinator rounds of
+``inner_steps / fragments`` inner steps each (``coordinator_rounds``)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,17 @@ from pathlib import Path
 
 from coord_harness import job_config
 
-MODEL_FIELDS = ("sites", "rounds", "inner_steps", "nproc", "checkpoint_every", "min_sites")
+MODEL_FIELDS = (
+    "sites",
+    "rounds",
+    "inner_steps",
+    "nproc",
+    "checkpoint_every",
+    "min_sites",
+    "fragments",
+    "delay_steps",
+    "merge_alpha",
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +43,23 @@ class JobSpec:
     ballast_mib: int = 0
     outage_timeout_s: float = 300.0
     min_sites: int | None = None  # None: every site (a round never closes without one)
+    fragments: int = 1  # [streaming] P; with delay_steps 0 and merge_alpha 0: plain DiLoCo
+    delay_steps: int = 0  # [streaming] tau
+    merge_alpha: float = 0.0  # [streaming] alpha
+
+    @property
+    def streaming(self) -> bool:
+        return (self.fragments, self.delay_steps, self.merge_alpha) != (1, 0, 0.0)
+
+    @property
+    def coordinator_rounds(self) -> int:
+        """The rounds the coordinator runs: one per fragment of each outer round."""
+        return self.rounds * self.fragments
+
+    @property
+    def round_steps(self) -> int:
+        """Inner steps of one coordinator round (H / P)."""
+        return self.inner_steps // self.fragments
 
     def config(self, marker_dir: Path) -> dict:
         strategy = {"name": "faults.slow_strategy:SlowDiLoCo", "lr": 0.7, "momentum": 0.9}
@@ -38,6 +69,13 @@ class JobSpec:
             ballast_mib=self.ballast_mib,
             marker_dir=str(marker_dir),
         )
+        streaming = {}
+        if self.streaming:  # absent otherwise: the plain specs' jobs are as they were
+            streaming["streaming"] = {
+                "fragments": self.fragments,
+                "delay_steps": self.delay_steps,
+                "merge_alpha": self.merge_alpha,
+            }
         return job_config(
             name="faults",
             strategy=strategy,
@@ -54,6 +92,7 @@ class JobSpec:
                 "deadline_s": self.deadline_s,
             },
             timeouts={"heartbeat_interval_s": self.heartbeat_s, "lease_ttl_s": self.lease_ttl_s},
+            **streaming,
         )
 
     def model_key(self) -> tuple:
