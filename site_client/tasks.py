@@ -87,6 +87,7 @@ class Upload:
     weight: float
     version: int
     aborted: bool = False
+    redo: bool = False  # withdrawn because the trainers restarted: they train the task again
     durable: threading.Event = field(default_factory=threading.Event)
     payload: object | None = None  # as built for its push (``site_client.update_payload``)
 
@@ -225,6 +226,23 @@ class TaskBook:
                 self.finished.add(task)
         return dropped, aborted
 
+    def trainers_restarted(self) -> list[Upload]:
+        """The launcher restarted the trainers: updates whose task's end never reached disk
+        are withdrawn, since the new trainers train those tasks again from their newest
+        checkpoint (the same bytes: an update counts only with its checkpoint on disk, and
+        one held for a checkpoint that was lost would wait for ever). Returns the ones taken
+        off the queue (their files are the caller's to delete); one being pushed is marked
+        ``aborted`` and ``redo``, and ``end_upload`` leaves its task to be trained again."""
+        dropped = []
+        for i, (task, upload) in enumerate(list(self.pending.items())):
+            if upload.durable.is_set():
+                continue
+            if i == 0 and self.pushing:
+                upload.aborted = upload.redo = True
+            else:
+                dropped.append(self.pending.pop(task))
+        return dropped
+
     def next_upload(self) -> Upload | None:
         """The update to push next (the oldest), if any."""
         return next(iter(self.pending.values()), None)
@@ -236,8 +254,12 @@ class TaskBook:
 
     def end_upload(self, upload: Upload, counted: bool = False) -> None:
         """``upload`` was delivered, refused or given up: its task is finished. A counted one
-        is kept (with its ``payload``) in ``delivered``."""
+        is kept (with its ``payload``) in ``delivered``; one withdrawn for the restarted
+        trainers (``redo``) is not finished: they hand it over again."""
         self.pending.pop(upload.task, None)
+        if upload.redo and not counted:
+            self.pushing = False
+            return
         self.finished.add(upload.task)
         self.issued.pop(upload.task, None)
         self.pushing = False

@@ -145,7 +145,7 @@ class SiteSession:
         # Every rank says hello (to read the job config); only rank 0 drives the rounds, and
         # its checkpoint thread tells the agent when a task's end is on disk.
         channel = IpcClient(socket_path)
-        hello = channel.call("hello")
+        hello = channel.call("hello", attempt=self.restart_count)
         self.ipc = channel if self.rank == 0 else None
         self._done_ipc = IpcClient(socket_path) if self.rank == 0 else None
         if self.ipc is None:

@@ -2,7 +2,7 @@
 
 Rank 0 of the site's trainers drives the rounds; every rank says ``hello``.
 
-``hello``
+``hello`` (``attempt``: the launcher's restart count)
     -> ``site``, ``run_dir``, ``shm_dir``, ``job_config`` (TOML text).
 ``wait_round`` (``timeout`` seconds, default the agent's poll)
     -> ``{"ready": false}``, or ``ready`` with the next task not yet done: ``round``,
@@ -49,6 +49,7 @@ class TrainerChannel:
         self.job_config = ""
         self.streaming = False  # the job has a [streaming] table (set on join)
         self._warned_steps = False
+        self._attempt = -1  # the trainers' latest launcher attempt (restart count) seen
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -61,6 +62,19 @@ class TrainerChannel:
         }
 
     def hello(self, req: dict) -> dict:
+        attempt = int(req.get("attempt", 0))
+        with self.state.cond:
+            if attempt > self._attempt >= 0:
+                for upload in self.state.book.trainers_restarted():
+                    log.warning(
+                        "[%s] trainers restarted before round %d's end was checkpointed: "
+                        "they train it again",
+                        self.cfg.site,
+                        upload.task.round,
+                    )
+                    upload.discard_files()
+                self.state.cond.notify_all()
+            self._attempt = max(self._attempt, attempt)
         return {
             "site": self.cfg.site,
             "run_dir": str(self.cfg.run_dir),

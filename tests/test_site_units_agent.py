@@ -306,3 +306,24 @@ def test_unit_names_round_trip_and_malformed_ones_are_refused() -> None:
     for bad in ("u", "u-1", "u01", "x3", "u3 ", "u" + "9" * 19):
         with pytest.raises(ValueError, match="malformed data unit"):
             unit_index(bad)
+
+
+def test_restarted_trainers_train_again_what_was_not_checkpointed() -> None:
+    """An update whose checkpoint never reached disk is withdrawn when the launcher restarts
+    the trainers (it would wait for ever); a checkpointed one goes on."""
+    book = TaskBook()
+    for task in [(0, ""), (1, ""), (2, "")]:
+        book.issue(task, task[0])
+        assert book.submit(task, f"/x/{task[0]}", 1.0) == "accepted"
+    book.checkpointed((1, ""))
+    pushing = book.start_upload()
+    assert pushing.task == (0, "")
+    dropped = book.trainers_restarted()
+    assert [u.task for u in dropped] == [(2, "")]
+    assert pushing.aborted and pushing.redo and book.next_upload() is pushing
+    book.end_upload(pushing)  # withdrawn, not counted: to be trained again
+    assert not book.done((0, "")) and not book.done((2, "")) and book.done((1, ""))
+    assert not book.pushing and book.next_upload().task == (1, "")
+    # The new trainers hand both over again; they are queued as any update is.
+    assert book.submit((0, ""), "/x/0b", 1.0) == "accepted"
+    assert book.submit((2, ""), "/x/2b", 1.0) == "accepted"

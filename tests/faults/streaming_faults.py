@@ -21,6 +21,7 @@ now write none before a pending merge (``site_client.streaming``).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
@@ -54,10 +55,22 @@ def kill_trainer_ahead(c: Cluster) -> None:
     c.wait_for(lambda: not _alive(first), 90, "site-0's trainer to die at its fault", 0.005)
     c.mark_fault()
     closed = (c.checkpoint_path(ROUND) / "meta.json").exists()
-    assert c.sites[0].reached(ROUND, c.spec.round_steps), "died before round 1's end"
+    assert _handed_over(c.sites[0], ROUND), "died before handing round 1's fragment over"
     assert not c.sites[0].reached(ROUND + 1, 1), "died after a checkpoint of round 2"
     assert not closed, "round 1 had closed before the trainer died: no fragment in flight"
     c.wait_for(lambda: trainer(1), 60, "the launcher to restart site-0's trainer")
+
+
+def _handed_over(site, round_number: int) -> bool:
+    """Whether the site's trainers handed over ``round_number``'s update (their timings say
+    so; its checkpoint may still be being written, in the background)."""
+    path = site.run_dir / "trainer_timings.jsonl"
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return False
+    records = [json.loads(line) for line in lines if line.strip()]
+    return any(r["kind"] == "handoff" and r.get("round") == round_number for r in records)
 
 
 def kill_agent_while_pushing_ahead(c: Cluster) -> None:
