@@ -229,3 +229,25 @@ def test_serve_refuses_a_page_off_loopback_in_one_line_before_touching_state(tmp
     assert "Traceback" not in done.stderr and not (tmp_path / "state").exists()
     done = h.run_cli("serve", "--config", str(path), "--insecure", "--status-page-insecure")
     assert done.returncode == 2 and "needs --status-page" in done.stderr
+
+
+def test_serve_off_loopback_with_tls_asks_for_an_operator_of_the_job(pki, tmp_path):
+    folder = tmp_path / "job"
+    folder.mkdir()
+    coord = h.CoordinatorProcess(
+        h.write_config(folder, h.job_config()),
+        folder / "state",
+        folder / "coordinator.log",
+        tls_dir=pki / "coordinator",
+        crl=pki / "crl.pem",
+        extra_args=("--status-page", "0.0.0.0:0"),
+    )
+    coord.start()
+    try:
+        port = int((folder / "state" / "status_page_address").read_text().rpartition(":")[2])
+        status, body = _get(port, context=_client(pki, "operators/alice"))
+        assert status == 200 and json.loads(body)["job_name"] == "testjob"
+        assert _get(port, context=_client(pki, "sites/site-a"))[0] == 403
+        assert _get(port, context=_client(pki, "operators/bob"))[0] == 403  # the --crl
+    finally:
+        coord.kill()
