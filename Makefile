@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
-.PHONY: demo test test-slow lint format proto clean
+.PHONY: demo test test-slow lint format proto clean chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,14 @@ demo: $(VENV)/.installed
 	$(BIN)/coordinator local --sites 3 --nproc-per-node 2 --config examples/gpt_diloco/job.toml \
 		--run-dir runs/gpt_diloco --fresh -- examples/gpt_diloco/train.py
 
-test: $(VENV)/.dev
+# The status page test drives Debian's chromium with playwright (never `playwright install`):
+# installed here when no chromium is on PATH (CI runs as root on Debian).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+		{ export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq chromium >/dev/null 2>&1 || \
+		{ apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }; }
+
+test: $(VENV)/.dev chromium
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -m "not slow"

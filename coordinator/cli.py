@@ -56,6 +56,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="[HOST:]PORT",
         help="serve Prometheus metrics on this port (127.0.0.1 unless HOST is given)",
     )
+    serve.add_argument(
+        "--status-page",
+        metavar="[HOST:]PORT",
+        help="serve a live, read-only status page (127.0.0.1 unless HOST is given; another "
+        "address needs --tls-dir, then readers need an operator certificate, or "
+        "--status-page-insecure)",
+    )
+    serve.add_argument(
+        "--status-page-insecure",
+        action="store_true",
+        help="serve the status page off loopback over plain HTTP, without authentication",
+    )
     add_security_flags(serve, "the coordinator")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     status = sub.add_parser("status", help="print the state of a running job")
@@ -105,6 +117,7 @@ def _serve(args) -> int:
         raise ConfigError(f"--listen {args.listen}: {problem}")
     cfg = load_config(args.config, args.set)
     bundle = bundle_from_flags(args)
+    page = _page_access(args, bundle)  # refused before the state folder is touched
     from coordinator.model_source import FactoryImportError, import_hint
     from coordinator.server import CoordinatorServer, ServerTls  # torch import: only for serve
     from coordinator.store import StoreError, write_atomic
@@ -136,6 +149,14 @@ def _serve(args) -> int:
             server.close()
             raise StartError(f"--metrics {args.metrics}: {exc}") from exc
         write_atomic(cfg.state_dir / "metrics_address", f"{address}\n".encode())
+    if page is not None:
+        from coordinator.status_page import start_status_page
+
+        try:
+            start_status_page(server.core, page, bundle, Path(args.crl) if args.crl else None)
+        except OSError as exc:  # in use, or the bundle (ssl.SSLError is one)
+            server.close()
+            raise StartError(f"--status-page {args.status_page}: {exc}") from exc
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: server.stop(signum))
     code = server.run()
@@ -148,6 +169,22 @@ def _serve(args) -> int:
     if code == 0 and server.final is not None:
         print(f"job {cfg.name!r} complete; final model: {server.final.path}")
     return code
+
+
+def _page_access(args, bundle):
+    """How ``--status-page`` is served (``coordinator.page_access``), or None without it."""
+    from coordinator.page_access import INSECURE_FLAG, PageAccessError, page_access
+
+    if args.status_page is None:
+        if args.status_page_insecure:
+            raise ConfigError(f"{INSECURE_FLAG} needs --status-page [HOST:]PORT")
+        return None
+    try:
+        return page_access(
+            args.status_page, tls=bundle is not None, insecure=args.status_page_insecure
+        )
+    except PageAccessError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _resume_flags(args) -> list[str]:

@@ -50,21 +50,37 @@ class RoundRecord:
 
 def rounds_of(events: Iterable[dict]) -> list[RoundRecord]:
     """The closed rounds, in order, from the event log's records (pure)."""
-    opened: dict[int, float] = {}
-    update_bytes: dict[int, int] = {}
-    evaluated: dict[int, dict] = {}  # by theta version: round r's close makes version r + 1
-    out = []
+    fold = RoundsFold()
     for e in events:
+        fold.add(e)
+    return fold.rounds()
+
+
+class RoundsFold:
+    """``rounds_of`` one event at a time, for a reader that follows a live log (the status
+    page): it holds a few numbers per round, not the events."""
+
+    def __init__(self) -> None:
+        self._opened: dict[int, float] = {}
+        self._update_bytes: dict[int, int] = {}
+        self._evaluated: dict[int, dict] = {}  # by theta version: round r's close makes r + 1
+        self._closed: list[RoundRecord] = []
+
+    def add(self, e: dict) -> None:
         kind, r = e.get("kind"), e.get("round")
         if kind == "round_open" and isinstance(r, int):
-            opened.setdefault(r, e["wall"])
+            self._opened.setdefault(r, e["wall"])
         elif kind == "update" and isinstance(r, int):
-            update_bytes[r] = update_bytes.get(r, 0) + int(e.get("bytes", 0))
+            self._update_bytes[r] = self._update_bytes.get(r, 0) + int(e.get("bytes", 0))
         elif kind == "round_closed" and isinstance(r, int):
-            out.append(_record(e, opened.get(r), update_bytes.get(r, 0)))
+            self._closed.append(_record(e, self._opened.get(r), self._update_bytes.get(r, 0)))
         elif kind == "evaluation" and isinstance(e.get("version"), int):
-            evaluated[e["version"]] = dict(e.get("metrics") or {})
-    return [replace(r, evaluation=evaluated.get(r.round + 1, {})) for r in out]
+            self._evaluated[e["version"]] = dict(e.get("metrics") or {})
+
+    def rounds(self) -> list[RoundRecord]:
+        """The rounds closed so far, each with the evaluation of the theta it made."""
+        ev = self._evaluated
+        return [replace(r, evaluation=ev.get(r.round + 1, {})) for r in self._closed]
 
 
 def _record(e: dict, opened_wall: float | None, counted_bytes: int) -> RoundRecord:

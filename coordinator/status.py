@@ -130,7 +130,12 @@ def _age(seconds: float) -> str:
 def status_json(s: pb.StatusReply) -> str:
     """The reply as JSON: field names as in the protocol, numbers as numbers (protobuf's own
     JSON writes 64-bit integers as strings), bytes in hex."""
-    return json.dumps(_plain(s), indent=1, sort_keys=True)
+    return json.dumps(status_doc(s), indent=1, sort_keys=True)
+
+
+def status_doc(s: pb.StatusReply) -> dict:
+    """The reply as plain dicts, lists and numbers (what ``status_json`` writes)."""
+    return _plain(s)
 
 
 def _plain(msg) -> dict:

@@ -21,11 +21,16 @@ class MetricsAddressError(ValueError):
 
 def parse_metrics_address(text: str) -> tuple[str, int]:
     """(host, port) from ``PORT`` (loopback) or ``HOST:PORT``; port 0 picks a free one."""
+    return parse_http_address(text, "--metrics")
+
+
+def parse_http_address(text: str, flag: str) -> tuple[str, int]:
+    """``parse_metrics_address`` for any ``flag`` taking ``[HOST:]PORT`` (named in the error)."""
     host, sep, port = text.rpartition(":")
     host = host.strip("[]") if sep else "127.0.0.1"
     if not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
         raise MetricsAddressError(
-            f"--metrics {text!r}: give PORT (served on 127.0.0.1) or HOST:PORT, e.g. 9100 or "
+            f"{flag} {text!r}: give PORT (served on 127.0.0.1) or HOST:PORT, e.g. 9100 or "
             "127.0.0.1:9100"
         )
     return host, int(port)
