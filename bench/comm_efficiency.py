@@ -86,29 +86,17 @@ that run's gap in percent (``best_bytes_ratio=0.00`` and the smallest gap when n
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from bench.comm.report import best_within, fmt_bytes, plot, table
-from bench.comm.runs import CODEC_SPECS, NUM_SITES, Job, Result, Setup, execute
+from bench.comm.links import CODEC_SPECS, NUM_SITES
+from bench.comm.plan import SCALES, check_jobs, describe, parse_grid, setup_of
+from bench.comm.report import best_within, fmt_bytes, plot, streaming_lines, table
+from bench.comm.runs import Job, Result, execute
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256, "seq_len": 32}
-# (H, codec, outer lr, outer momentum): H across the range for int4+EF (the cheapest codec that
-# keeps fp32's loss), every codec at H = 250 where bytes fall about 1000x, and top-k at an H
-# where its small payloads buy more rounds. The outer optimiser is tuned per H (see the module
-# docstring for the runs behind each choice).
-DEFAULT_GRID = (
-    (10, "int4+EF", 1.0, 0.0),
-    (50, "int4+EF", 1.0, 0.6),
-    (250, "int4+EF", 1.0, 0.6),
-    (1000, "int4+EF", 1.0, 0.0),
-    (250, "fp32", 1.0, 0.6),
-    (250, "int8", 1.0, 0.6),
-    (50, "topk1%+EF/int4", 1.0, 0.6),
-)
-QUICK_GRID = ((50, "int4+EF", 1.0, 0.6), (100, "int8", 1.0, 0.6))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,107 +105,111 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="~1-minute smoke version")
-    p.add_argument("--steps", type=int, help="inner steps per site (default 2000; quick 200)")
+    p.add_argument("--quick", action="store_true", help="~1-minute smoke version (--scale quick)")
+    p.add_argument("--scale", choices=sorted(SCALES), help="preset (default: default)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, train nothing")
+    p.add_argument("--steps", type=int, help="inner steps per site (default: the scale's)")
     p.add_argument(
         "--grid",
         nargs="+",
-        metavar="H:CODEC[:OUTER_LR:MOMENTUM]",
-        help=f"DiLoCo runs, e.g. 250:int8 or 10:int4+EF:1:0 (codecs: {', '.join(CODEC_SPECS)})",
+        metavar="H:CODEC[:OUTER_LR:MOMENTUM][:P=N:tau=N:alpha=X]",
+        help="DiLoCo runs, e.g. 250:int8, 10:int4+EF:1:0 or 250:fp32:1:0.6:P=2:tau=5 "
+        f"(streaming); codecs: {', '.join(CODEC_SPECS)}",
     )
-    p.add_argument("--batch", type=int, default=16, help="rows per site per step")
-    p.add_argument("--lr", type=float, default=6e-3, help="DiLoCo's peak inner AdamW lr")
-    p.add_argument(
-        "--ddp-lrs", type=float, nargs="+", help="data-parallel lr sweep (default 3e-3 6e-3 1.2e-2)"
-    )
+    p.add_argument("--batch", type=int, help="rows per site per step (default: the scale's)")
+    p.add_argument("--lr", type=float, help="DiLoCo's peak inner AdamW lr (default: the scale's)")
+    p.add_argument("--ddp-lrs", type=float, nargs="+", help="data-parallel lr sweep")
     p.add_argument("--outer-lr", type=float, default=1.0, help="for --grid items without one")
     p.add_argument("--outer-momentum", type=float, default=0.6, help="likewise")
-    p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
+    p.add_argument(
+        "--device",
+        help="where the sites train (default: the scale's; cuda -> cpu when no GPU is there)",
+    )
+    p.add_argument("--workers", type=int, help="runs in parallel (default: the scale's)")
     p.add_argument("--png", default=str(REPO / "docs" / "comm_efficiency.png"))
     return p.parse_args(argv)
-
-
-def parse_grid(items: list[str], outer_lr: float, momentum: float) -> list[tuple]:
-    """``H:CODEC`` or ``H:CODEC:OUTER_LR:MOMENTUM`` items as grid entries."""
-    grid = []
-    for item in items:
-        parts = item.split(":")
-        try:
-            if len(parts) not in (2, 4) or parts[1] not in CODEC_SPECS:
-                raise ValueError
-            outer = (float(parts[2]), float(parts[3])) if len(parts) == 4 else (outer_lr, momentum)
-            grid.append((int(parts[0]), parts[1], *outer))
-        except ValueError:
-            raise SystemExit(
-                f"--grid {item!r}: expected H:CODEC[:OUTER_LR:MOMENTUM], CODEC one of "
-                f"{list(CODEC_SPECS)}"
-            ) from None
-    return grid
 
 
 def progress(start: float, r: Result) -> str:
     """The line printed when a run finishes: elapsed time, run, loss, bytes, its own time."""
     return (
-        f"[{time.perf_counter() - start:6.1f}s] {r.job.label:<36} val {r.loss:.4f}  "
+        f"[{time.perf_counter() - start:6.1f}s] {r.job.label:<52} val {r.loss:.4f}  "
         f"{fmt_bytes(r.nbytes):>9}  ({r.seconds:.0f}s)"
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    steps = args.steps or (200 if args.quick else 2000)
-    if args.grid:
-        grid = parse_grid(args.grid, args.outer_lr, args.outer_momentum)
-    else:
-        grid = list(QUICK_GRID if args.quick else DEFAULT_GRID)
-    ddp_lrs = args.ddp_lrs or ([args.lr] if args.quick else [3e-3, 6e-3, 1.2e-2])
-    bad = [h for h, *_ in grid if h <= 0 or steps % h]
-    if bad:
-        raise SystemExit(f"every H must divide --steps {steps}; these do not: {bad}")
-    setup = Setup(
-        model=MODEL,
-        steps=steps,
-        batch=args.batch,
-        warmup=max(1, steps // 20),
-        final_lr_frac=0.1,
-        weight_decay=0.01,
-        corpus_bytes=8 * 2**20,
-        eval_batches=8 if args.quick else 16,
-        eval_batch=32,
-    )
-    tokens = steps * NUM_SITES * args.batch * MODEL["seq_len"]
-    print(
-        f"{NUM_SITES} sites x {steps} steps x {args.batch} rows x {MODEL['seq_len']} tokens = "
-        f"{tokens / 1e6:.2f} M tokens per run; data-parallel lrs {ddp_lrs}; DiLoCo inner lr "
-        f"{args.lr:g}; {len(grid)} DiLoCo runs; {args.workers} worker(s)",
-        flush=True,
-    )
-    ddp_jobs = [Job(lr=lr) for lr in ddp_lrs]
-    diloco_jobs = [Job(args.lr, *entry) for entry in grid]
+def pick_device(wanted: str) -> str:
+    import torch
+
+    if wanted.startswith("cuda") and not torch.cuda.is_available():
+        print(f"note: no GPU here; {wanted} -> cpu")
+        return "cpu"
+    return wanted
+
+
+def run_all(setup, jobs: list[Job], workers: int) -> dict[Job, Result]:
+    """Every job in ``workers`` processes (spawned, so CUDA starts afresh in each)."""
     start = time.perf_counter()
     done: dict[Job, Result] = {}
-    # DiLoCo runs are the slower ones (4 small batches per step against one large one), so
-    # they go first and the data-parallel runs fill the gaps at the end.
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = [pool.submit(execute, setup, job) for job in diloco_jobs + ddp_jobs]
+    context = multiprocessing.get_context("spawn" if setup.device != "cpu" else None)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = [pool.submit(execute, setup, job) for job in jobs]
         for future in as_completed(futures):
             result = future.result()
             done[result.job] = result
             print(progress(start, result), flush=True)
-    ddp_runs = [done[j] for j in ddp_jobs]
-    results = [done[j] for j in diloco_jobs]
-    baseline = min(ddp_runs, key=lambda r: r.loss)
-    if baseline.job.lr != args.lr:
-        print(f"note: data parallel did best at lr {baseline.job.lr:g}, DiLoCo ran at {args.lr:g}")
+    return done
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    scale = SCALES[args.scale or ("quick" if args.quick else "default")]
+    steps, batch = args.steps or scale.steps, args.batch or scale.batch
+    lr = args.lr or scale.lr
+    if args.grid:
+        grid = parse_grid(args.grid, args.outer_lr, args.outer_momentum)
+    else:
+        grid = list(scale.grid)
+    ddp_lrs = args.ddp_lrs or list(scale.ddp_lrs)
+    diloco_jobs = [Job(lr, *entry) for entry in grid]
+    check_jobs(diloco_jobs, steps)
+    device = args.device or scale.device
+    setup = setup_of(scale, steps, batch, device if args.dry_run else pick_device(device))
+    tokens = steps * NUM_SITES * batch * scale.model["seq_len"]
+    workers = args.workers or scale.workers
+    print(
+        f"{NUM_SITES} sites x {steps} steps x {batch} rows x {scale.model['seq_len']} tokens = "
+        f"{tokens / 1e6:.2f} M tokens per run; data-parallel lrs {ddp_lrs}; DiLoCo inner lr "
+        f"{lr:g}; {len(grid)} DiLoCo runs; {workers} worker(s) on {setup.device}",
+        flush=True,
+    )
+    if args.dry_run:
+        print(describe(setup, diloco_jobs))
+        return
+    ddp_jobs = [Job(lr=x) for x in ddp_lrs]
+    start = time.perf_counter()
+    # DiLoCo runs are the slower ones (4 small batches per step against one large one), so
+    # they go first and the data-parallel runs fill the gaps at the end.
+    done = run_all(setup, diloco_jobs + ddp_jobs, workers)
+    report(args, [done[j] for j in ddp_jobs], [done[j] for j in diloco_jobs], lr, steps, start)
+
+
+def report(args, ddp_runs: list[Result], results: list[Result], lr, steps, start) -> None:
+    baseline = min(ddp_runs, key=lambda r: r.loss)
+    if baseline.job.lr != lr:
+        print(f"note: data parallel did best at lr {baseline.job.lr:g}, DiLoCo ran at {lr:g}")
     print(
         "\nWAN bytes: all sites, both directions. Data parallel: fp32 ring all-reduce every step. "
         "DiLoCo: theta_0\n(fp32), then per round every uplink and the downlink to every site, "
         "payload + manifest. DiLoCo runs:\nH, codec (uplink/downlink where they differ, else on "
-        "both links), outer lr/momentum. gap % and\nddp/bytes against the best data-parallel "
-        "run; syncs: all-reduces or rounds.\n"
+        "both links), outer lr/momentum; streaming: P\nfragments, merged tau steps late with "
+        "alpha. gap % and ddp/bytes against the best data-parallel\nrun; vs blk %: against "
+        "blocking DiLoCo at the same H and codec; syncs: all-reduces or rounds; peak:\nthe "
+        "largest single transfer (data parallel: one fp32 gradient), peak/blk: against blocking.\n"
     )
     print(table(ddp_runs, results, baseline, steps))
+    for line in streaming_lines(results):
+        print(line)
     png = Path(args.png)
     plot(ddp_runs, results, baseline, png)
     print(f"\nplot: {png}; total {time.perf_counter() - start:.1f}s")
