@@ -1,6 +1,6 @@
 """Validation loss against WAN bytes: synchronous data parallel vs DiLoCo with compressed links.
 
-Run ``python -m bench.comm_efficiency [--quick]``. A small byte-level GPT
+Run ``python -m bench.comm_efficiency [--quick | --scale gpu] [--dry-run]``. A small byte-level GPT
 (``examples.gpt_diloco.model.build_model``: d_model 64, 2 layers, 4 heads, d_ff 256, seq_len 32,
 about 135 k parameters) is pretrained from scratch on the standard-library corpus
 (``examples.gpt_diloco.data``) by 4 sites with a fixed token budget: 2000 steps x 4 sites x 16
@@ -17,6 +17,13 @@ Runs
   decay 0.01) and learning-rate schedule as data parallel (linear warm-up over 5 % of the steps,
   cosine decay to 10 %, indexed by the global step), peak ``--lr``; the outer step is the DiLoCo
   strategy's Nesterov SGD.
+- Streaming DiLoCo (``bench.comm.streaming``; Douillard et al. 2025) next to blocking rows at the
+  same H and codec: the trainable tensors split by ``wire.fragments.fragment_plan`` into P
+  fragments (pattern strided); coordinator round r lasts H/P steps and syncs fragment ``r % P``
+  only, so each fragment syncs every H steps on the same token budget. Each site sends that
+  fragment's ``theta_r - theta_local`` and trains on; before step tau of the next round it
+  merges the new global fragment, ``local <- alpha * local + (1 - alpha) * global``; the other
+  fragments train on unmerged. The outer momentum is per tensor, so per fragment.
 
 Tuning (same token budget, same data; each setting one run, final validation loss):
 
@@ -47,6 +54,27 @@ parallel 1.4025 at lr 1.2e-2, DiLoCo 1.4649 at 6e-3) at 1214x fewer bytes. The p
 (512 tokens) is also far below the gradient noise scale measured along the data-parallel run
 (1.6 k tokens at step 250, 25 k at the end), where data parallel's 4x batch buys the most.
 
+Streaming (``--grid`` with blocking H 50 / 250 int4+EF and H 250 fp32 at 1.0 / 0.6, data
+parallel 6e-3; P = 2, the most that the 2 blocks of this model split evenly and that divides
+H 50 and 250; fragments of 68.4 k and 66.5 k parameters). Gap to blocking DiLoCo at equal H and
+codec, and peak bytes in flight (the largest single uplink or downlink, theta_0 aside) over
+blocking's:
+
+- H 250 fp32, tau 5, alpha 0: 1.7823 vs 1.7760, +0.35 %, peak 274 KB vs 541 KB (0.51);
+- H 250 int4+EF, tau 5, alpha 0: 1.7857 vs 1.7730, +0.72 %, peak 37.9 KB vs 74.9 KB (0.51);
+- H 250 int4+EF, tau 5, alpha 0.5: 1.9088, +7.7 % (mixing half the stale local fragment back
+  in undoes half of every outer step);
+- H 250: only the blocking rows' 1.0 / 0.6 was run for streaming;
+- H 50 int4+EF, tau 2, alpha 0: at the blocking rows' 1.0 / 0.6, 1.6802 vs 1.6590, +1.28 %
+  (a miss; likely as with H/P = 25-step rounds the tau steps of local progress that a merge
+  overwrites are 8 % of a fragment's steps since its last send, 4 % at H 250); 1.0 / 0 -> 1.7061;
+  0.8 / 0.7 -> 1.6504, -0.52 % against blocking's best (blocking at 0.8 / 0.7: 1.6602), so the
+  grid runs it at 0.8 / 0.7. Peak 37.9 KB vs 74.9 KB (0.51).
+
+Total bytes are the blocking run's (every tensor still crosses once per H steps); what streaming
+buys is the peak, halved at P 2, and (not measured here) a sync that overlaps tau steps of
+compute.
+
 What is simulated
 -----------------
 - The 4 sites and the coordinator live in one process; runs are spread over ``--workers``
@@ -75,12 +103,32 @@ What is real (the service's own code paths)
   from the same bytes (the two calls ``coordinator.downlink.Downlink.step`` makes).
 - Codecs: one codec for every tensor of a link (norms and biases included); a run uses one
   codec family on both links, except where its label names two (uplink/downlink).
+- Streaming: the fragment plan and the ``[streaming]`` checks are ``wire.fragments``'; uplinks
+  carry the fragment only, ``close_round`` runs on theta's fragment (as the coordinator
+  restricts its ``like``), the downlink is ``encode_delta(..., names=fragment)`` and
+  ``apply_delta`` on that partial manifest; alpha 0 merges by exact copy
+  (``merge_pieces``). With P 1, tau 0, alpha 0 the run is blocking DiLoCo bit for bit (tested).
 
-Output: one line per finished run with the elapsed time, the table (loss, gap to the baseline,
-bytes per direction, ``ddp_bytes / bytes``), the plot ``docs/comm_efficiency.png`` (loss against
-bytes, log x), and as the last line ``ddp_bytes=N best_bytes_ratio=X loss_gap_pct=Y``: the
-largest ``ddp_bytes / bytes`` among DiLoCo runs within 1 % of the baseline's validation loss and
-that run's gap in percent (``best_bytes_ratio=0.00`` and the smallest gap when none is).
+Scales
+------
+``--quick`` (``--scale quick``): 200 steps, two blocking rows and one streaming row, one
+data-parallel lr; about a minute. ``--scale gpu``: sized for one H200, not run here (only its
+``--dry-run`` plan): ``d_model 768, 16 layers, 12 heads, d_ff 3072, seq_len 256`` (114 M
+parameters, 16 blocks, so P 4 gives four fragments of 0.25 each), 20 k steps x 16 rows per site
+(328 M tokens per run, the whole standard library about twice), H 100 and 200 (200 and 100
+rounds) blocking and streaming (P 4, tau 5, alpha 0 and 0.5), int4+EF and fp32, inner lr 1e-3
+for both methods (a first guess, untuned), sites on cuda (TF32 matmuls) with one worker. By
+FLOPs (6 N per token) a run is about 2.2e17, so of the order of half an hour per run on an
+H200 and a few hours for the grid. ``--dry-run`` prints every run's rounds and fragment sizes.
+
+Output: one line per finished run with the elapsed time, the table (P, tau, alpha, loss, gap to
+the baseline and, streaming, to blocking DiLoCo at the same H and codec, bytes per direction,
+``ddp_bytes / bytes``, peak bytes in flight and its ratio to blocking), one
+``streaming ... gap_vs_blocking_pct=G peak_ratio=R`` line per streaming row, the plot
+``docs/comm_efficiency.png`` (loss against bytes, log x), and as the last line
+``ddp_bytes=N best_bytes_ratio=X loss_gap_pct=Y``: the largest ``ddp_bytes / bytes`` among
+DiLoCo runs within 1 % of the baseline's validation loss and that run's gap in percent
+(``best_bytes_ratio=0.00`` and the smallest gap when none is).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ BLOCKING = (
 # P = 2 splits it in halves (strided: block 0 with the head, block 1 with the embeddings);
 # P = 4 does not divide H 50 or 250.
 STREAMING = (
-    (50, "int4+EF", 1.0, 0.6, 2, 2, 0.0),
+    (50, "int4+EF", 0.8, 0.7, 2, 2, 0.0),
     (250, "int4+EF", 1.0, 0.6, 2, 5, 0.0),
     (250, "int4+EF", 1.0, 0.6, 2, 5, 0.5),
     (250, "fp32", 1.0, 0.6, 2, 5, 0.0),

@@ -90,7 +90,7 @@ def table(ddp_runs: list[Result], results: list[Result], baseline: Result, steps
             f"{baseline.nbytes / r.nbytes:>10.1f}{fmt_bytes(r.peak_bytes):>10}"
             f"{vs_peak}"
         )
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def streaming_lines(results: list[Result]) -> list[str]:
