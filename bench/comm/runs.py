@@ -13,38 +13,23 @@ from functools import partial
 
 import torch
 
+from bench.comm.links import (
+    CODEC_SPECS,
+    FP32,
+    NUM_SITES,
+    SITES,
+    Traffic,
+    link_config,
+    received,
+)
 from examples.gpt_diloco.data import Corpus, CorpusConfig, evaluate, load_corpus
 from examples.gpt_diloco.model import build_model, count_parameters, lm_loss
 from strategies import load_strategy
 from strategies.base import SiteUpdate
 from strategies.robust import RobustAggregator, close_round
-from wire.codecs import CodecState, CompressionConfig, make_codec
+from wire.codecs import CodecState
 from wire.downlink import apply_delta, encode_delta
-from wire.tensors import Manifest, pack, pack_encoded, unpack
-
-NUM_SITES = 4
-SITES = [f"site-{i}" for i in range(NUM_SITES)]
-FP32 = 4
-
-# Codecs per run: label -> (uplink, downlink), each (codec name, parameters); a label with a
-# slash names the uplink's codec, then the downlink's. int4 and top-k keep error feedback (their
-# default), so what one round drops is sent in a later one.
-_INT4 = ("int4", {"block": 64})
-CODEC_SPECS: dict[str, tuple[tuple[str, dict], tuple[str, dict]]] = {
-    "fp32": (("none", {}), ("none", {})),
-    "int8": (("int8", {"block": 256}), ("int8", {"block": 256})),
-    "int4+EF": (_INT4, _INT4),
-    # On the downlink top-k leaves 99 % of every outer step to error feedback, which needs far
-    # more rounds than these runs have (it diverged at H 50), so the grid pairs it with int4.
-    "topk1%+EF/int4": (("topk", {"fraction": 0.01}), _INT4),
-    "topk1%+EF": (("topk", {"fraction": 0.01}), ("topk", {"fraction": 0.01})),
-}
-
-
-def link_config(spec: tuple[str, dict]) -> CompressionConfig:
-    """One codec for every tensor of a link (norms and biases included)."""
-    name, params = spec
-    return CompressionConfig(default=make_codec(name, **params))
+from wire.tensors import pack_encoded
 
 
 @dataclass(frozen=True)
@@ -67,6 +52,9 @@ class Setup:
         Cap on the standard-library bytes read (``CorpusConfig.max_bytes``).
     eval_batches, eval_batch
         Size of the fixed validation set ``evaluate`` reads.
+    device
+        Where the sites train (``"cuda"`` for the GPU preset); the coordinator's theta, the
+        codecs and the byte counts stay on the CPU, as the service keeps them.
     """
 
     model: dict
@@ -78,34 +66,61 @@ class Setup:
     corpus_bytes: int
     eval_batches: int
     eval_batch: int
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
 class Job:
-    """One run: data parallel (``h is None``) or DiLoCo with H, codec and outer optimiser."""
+    """One run: data parallel (``h is None``) or DiLoCo with H, codec and outer optimiser;
+    streaming DiLoCo (``bench.comm.streaming``) with ``fragments`` P >= 1, ``tau`` and
+    ``alpha`` (``[streaming] delay_steps`` and ``merge_alpha``), blocking with ``fragments`` 0.
+    """
 
     lr: float
     h: int | None = None
     codec: str | None = None
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    fragments: int = 0
+    tau: int = 0
+    alpha: float = 0.0
+
+    @property
+    def streaming(self) -> bool:
+        return self.fragments > 0
+
+    @property
+    def syncs_per_h(self) -> int:
+        """Coordinator rounds per H inner steps: P when streaming, else 1."""
+        return self.fragments if self.streaming else 1
+
+    @property
+    def name(self) -> str:
+        """The run without streaming's P / tau / alpha (table columns show them)."""
+        if self.h is None:
+            return f"data parallel lr={self.lr:g}"
+        kind = "Streaming" if self.streaming else "DiLoCo"
+        return f"{kind} H={self.h} {self.codec} {self.outer_lr:g}/{self.outer_momentum:g}"
 
     @property
     def label(self) -> str:
-        if self.h is None:
-            return f"data parallel lr={self.lr:g}"
-        return f"DiLoCo H={self.h} {self.codec} {self.outer_lr:g}/{self.outer_momentum:g}"
+        """``name``, and streaming's P / tau / alpha."""
+        if self.streaming:
+            return f"{self.name} P={self.fragments} tau={self.tau} a={self.alpha:g}"
+        return self.name
 
 
 @dataclass(frozen=True)
 class Result:
-    """A finished run: final validation loss and WAN bytes (all sites, both directions)."""
+    """A finished run: final validation loss, WAN bytes (all sites, both directions) and the
+    largest single transfer (``Traffic.peak``; data parallel: one fp32 gradient)."""
 
     job: Job
     loss: float
     up_bytes: int
     down_bytes: int
     seconds: float
+    peak_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +144,8 @@ def corpus_for(setup: Setup) -> Corpus:
 def site_batch(corpus: Corpus, setup: Setup, site: int, step: int):
     # Addressed as round 0, inner step = global step: every run reads the same tokens at the
     # same step whatever its H (a site's data stream does not restart with each round).
-    return corpus.site_batch(site, NUM_SITES, 0, step, 0, 1, setup.batch)
+    x, y = corpus.site_batch(site, NUM_SITES, 0, step, 0, 1, setup.batch)
+    return x.to(setup.device), y.to(setup.device)
 
 
 def make_optimizer(model: torch.nn.Module, setup: Setup, lr: float) -> torch.optim.AdamW:
@@ -148,41 +164,48 @@ def inner_step(model, opt, x, y, lr: float) -> None:
     opt.step()
 
 
-def wire_bytes(manifest: Manifest, payload: memoryview) -> int:
-    """Bytes one transfer puts on the WAN: the payload plus its serialised manifest (names,
-    shapes, codec meta); gRPC framing and TLS are left out."""
-    return len(payload) + manifest.to_proto().ByteSize()
-
-
 def ring_allreduce_bytes(n_params: int, steps: int) -> int:
     """fp32 gradients all-reduced by a ring every step: each of the ``NUM_SITES`` workers sends
     ``2 (n - 1) / n`` model sizes per all-reduce."""
     return round(steps * NUM_SITES * 2 * (NUM_SITES - 1) / NUM_SITES * FP32 * n_params)
 
 
-def run_ddp(corpus: Corpus, setup: Setup, job: Job) -> tuple[float, int, int]:
+def run_ddp(corpus: Corpus, setup: Setup, job: Job) -> tuple[float, Traffic]:
     """Synchronous data parallel: one AdamW step per step on the mean of the sites' gradients.
 
     One backward over the 4 sites' batches laid end to end gives the mean of their gradients
     (equal batch sizes), which is what the all-reduce would leave on every worker.
     """
-    model = build_model(**setup.model)
+    model = build_model(**setup.model).to(setup.device)
     opt = make_optimizer(model, setup, job.lr)
     for step in range(setup.steps):
         xs, ys = zip(*(site_batch(corpus, setup, s, step) for s in range(NUM_SITES)), strict=True)
         inner_step(model, opt, torch.cat(xs), torch.cat(ys), lr_at(setup, job.lr, step))
     loss = evaluate(model, corpus, setup.eval_batches, setup.eval_batch)
-    return loss, ring_allreduce_bytes(count_parameters(model), setup.steps), 0
+    n = count_parameters(model)
+    return loss, Traffic(ring_allreduce_bytes(n, setup.steps), 0, FP32 * n)
 
 
-def _received(manifest: Manifest, payload: memoryview):
-    # What the coordinator reads back from its spool: the manifest as the peer sent it (proto),
-    # validated, and every tensor decoded (and so checked) by the wire layer.
-    return unpack(Manifest.from_proto(manifest.to_proto()), payload).items()
+def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A site model's state on the CPU, where the wire layer encodes it (the very tensors on a
+    CPU run)."""
+    return {n: t.cpu() for n, t in model.state_dict().items()}
 
 
-def run_diloco(corpus: Corpus, setup: Setup, job: Job) -> tuple[float, int, int]:
-    """DiLoCo with the service's data path on both links.
+def start(setup: Setup, job: Job):
+    """What every DiLoCo run starts from: the outer strategy and aggregator, theta_0 and its
+    bytes, and per site a model, its AdamW and its uplink codec state."""
+    strategy = load_strategy("diloco", {"lr": job.outer_lr, "momentum": job.outer_momentum})
+    theta = {k: v.detach().clone() for k, v in build_model(**setup.model).state_dict().items()}
+    traffic = Traffic()
+    traffic.theta_0(theta)
+    models = [build_model(**setup.model).to(setup.device) for _ in SITES]
+    opts = [make_optimizer(m, setup, job.lr) for m in models]
+    return strategy, RobustAggregator(), theta, traffic, models, opts, [CodecState() for _ in SITES]
+
+
+def diloco_theta(corpus: Corpus, setup: Setup, job: Job) -> tuple[dict, Traffic]:
+    """DiLoCo with the service's data path on both links; the final theta and its traffic.
 
     Sites: AdamW whose state persists across rounds (DiLoCo's Algorithm 1); the pseudo-gradient
     ``theta_r - theta_site`` goes through ``pack_encoded`` with the site's own codec state, as
@@ -191,16 +214,7 @@ def run_diloco(corpus: Corpus, setup: Setup, job: Job) -> tuple[float, int, int]
     define the official theta every site receives.
     """
     uplink, downlink = (link_config(spec) for spec in CODEC_SPECS[job.codec])
-    strategy = load_strategy("diloco", {"lr": job.outer_lr, "momentum": job.outer_momentum})
-    aggregator = RobustAggregator()
-    global_model = build_model(**setup.model)
-    theta = {k: v.detach().clone() for k, v in global_model.state_dict().items()}
-    manifest, payload = pack(theta)
-    down = NUM_SITES * wire_bytes(manifest, payload)  # theta_0, uncompressed, to every site
-    up = 0
-    models = [build_model(**setup.model) for _ in SITES]
-    opts = [make_optimizer(m, setup, job.lr) for m in models]
-    site_codecs = [CodecState() for _ in SITES]
+    strategy, aggregator, theta, traffic, models, opts, site_codecs = start(setup, job)
     down_codec = CodecState()
     for r in range(setup.steps // job.h):
         strategy.begin_round(r, theta)
@@ -212,26 +226,42 @@ def run_diloco(corpus: Corpus, setup: Setup, job: Job) -> tuple[float, int, int]
                 step = r * job.h + k
                 x, y = site_batch(corpus, setup, i, step)
                 inner_step(model, opt, x, y, lr_at(setup, job.lr, step))
-            local = model.state_dict()
+            local = cpu_state(model)
             delta = {n: theta[n] - local[n] for n in theta}
             manifest, payload = pack_encoded(delta, uplink, site_codecs[i])
-            up += wire_bytes(manifest, payload)
+            traffic.uplink(manifest, payload)
             weight = strategy.update_weight(site, float(job.h * setup.batch))
-            updates.append(SiteUpdate(site, weight, partial(_received, manifest, payload)))
+            updates.append(SiteUpdate(site, weight, partial(received, manifest, payload)))
         new_theta, _ = close_round(strategy, aggregator, theta, updates, r)
         manifest, payload = encode_delta(theta, new_theta, downlink, down_codec)
         theta = apply_delta(theta, manifest, payload)
-        down += NUM_SITES * wire_bytes(manifest, payload)
-    global_model.load_state_dict(theta)
-    return evaluate(global_model, corpus, setup.eval_batches, setup.eval_batch), up, down
+        traffic.downlink(manifest, payload)
+    return theta, traffic
+
+
+def evaluate_theta(corpus: Corpus, setup: Setup, theta: dict[str, torch.Tensor]) -> float:
+    """The final validation measurement every DiLoCo run ends with, on the global theta."""
+    model = build_model(**setup.model)
+    model.load_state_dict(theta)
+    return evaluate(model.to(setup.device), corpus, setup.eval_batches, setup.eval_batch)
 
 
 def execute(setup: Setup, job: Job, threads: int = 1) -> Result:
     """Run one job (in a worker process) and time it."""
+    from bench.comm.streaming import streaming_theta
+
     torch.set_num_threads(threads)
     torch.manual_seed(0)
+    if setup.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     corpus = corpus_for(setup)
-    start = time.perf_counter()
-    run = run_ddp if job.h is None else run_diloco
-    loss, up, down = run(corpus, setup, job)
-    return Result(job, loss, up, down, time.perf_counter() - start)
+    began = time.perf_counter()
+    if job.h is None:
+        loss, traffic = run_ddp(corpus, setup, job)
+    else:
+        train = streaming_theta if job.streaming else diloco_theta
+        theta, traffic = train(corpus, setup, job)
+        loss = evaluate_theta(corpus, setup, theta)
+    seconds = time.perf_counter() - began
+    return Result(job, loss, traffic.up, traffic.down, seconds, traffic.peak)
