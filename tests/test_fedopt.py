@@ -207,6 +207,7 @@ def test_flower_defaults_and_names():
     assert isinstance(s.config.eta, float) and "eta_l=0.5" in s.describe()
 
 
+@pytest.mark.slow
 def test_fedavg_noniid_example_runs_and_learns(capsys):
     from examples.fedavg_noniid.run import main
 

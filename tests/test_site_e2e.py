@@ -206,6 +206,7 @@ def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
     assert ("isthmus_agent_trainer_metric", (("name", "val_loss"),)) in m
 
 
+@pytest.mark.slow
 def test_a_site_rides_out_a_coordinator_outage_longer_than_its_connect_timeout(tmp_path):
     """kill -9 of the coordinator for twice the site's --connect-timeout: the joined site keeps
     retrying (--outage-timeout), re-joins the restarted coordinator and the job completes."""

@@ -25,6 +25,7 @@ from coordinator.ledger import DataLedger
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.slow
 def test_a_stalled_sites_unit_is_backed_up_and_its_copy_cancelled(tmp_path) -> None:
     cfg = tiny_gpt_job("shared-e2e", sites=2)
     cfg["data"] = {"mode": "shared"}

@@ -55,7 +55,7 @@ class Result:
 
 SCENARIOS: list[Scenario] = [
     Scenario("site killed while fetching", site.kill_while_fetching),
-    Scenario("site killed while training", site.kill_while_training, slow=False),
+    Scenario("site killed while training", site.kill_while_training),
     Scenario("site killed while pushing", site.kill_while_pushing),
     Scenario("site killed while idle", site.kill_while_idle),
     Scenario("coordinator killed, round open", coord.kill_while_round_open),
