@@ -152,6 +152,13 @@ def _scalar(value):
 
 
 def format_status(s: pb.StatusReply) -> str:
+    lines = _summary_lines(s)
+    lines.append("")
+    lines += _site_table(s.sites)
+    return "\n".join(lines)
+
+
+def _summary_lines(s: pb.StatusReply) -> list[str]:
     r = s.round
     lines = [
         f"job {s.job_name}  round {r.round}/{r.total_rounds}"
@@ -174,43 +181,50 @@ def format_status(s: pb.StatusReply) -> str:
     if s.rejections:
         lines.append(f"rejected updates ({len(s.rejections)} most recent):")
         lines += [f"  {x}" for x in s.rejections]
-    lines.append("")
-    header = (
-        "SITE",
-        "STATE",
-        "TOKEN",
-        "LEASE LEFT",
-        "HEARTBEAT",
-        "PHI",
-        "LAST UPDATE",
-        "PUSHED",
-        "UNITS",
-        "PHASE",
-        "LOSS",
-        "MERGE WAIT",
+    return lines
+
+
+SITE_COLUMNS = (
+    "SITE",
+    "STATE",
+    "TOKEN",
+    "LEASE LEFT",
+    "HEARTBEAT",
+    "PHI",
+    "LAST UPDATE",
+    "PUSHED",
+    "UNITS",
+    "PHASE",
+    "LOSS",
+    "MERGE WAIT",
+)
+
+
+def _site_row(x: pb.SiteStatus) -> tuple[str, ...]:
+    p = x.progress
+    return (
+        x.site,
+        x.state + (" (suspected)" if x.suspected else ""),
+        str(x.token),
+        f"{x.lease_remaining_s:.1f}s",
+        _age(x.last_heartbeat_age_s),
+        f"{x.phi:.1f}",
+        _age(x.last_update_age_s),
+        str(x.last_round_pushed) if x.last_update_age_s >= 0 else "-",
+        ",".join(x.data_units) or "-",
+        f"{p.phase} r{p.round} step {p.inner_step}" if p.phase else "-",
+        f"{p.train_loss:.4f}" if p.train_loss else "-",
+        f"{p.merge_wait_s:.1f}s" if p.merge_wait_s else "-",
     )
-    rows = [
-        (
-            x.site,
-            x.state + (" (suspected)" if x.suspected else ""),
-            str(x.token),
-            f"{x.lease_remaining_s:.1f}s",
-            _age(x.last_heartbeat_age_s),
-            f"{x.phi:.1f}",
-            _age(x.last_update_age_s),
-            str(x.last_round_pushed) if x.last_update_age_s >= 0 else "-",
-            ",".join(x.data_units) or "-",
-            f"{x.progress.phase} r{x.progress.round} step {x.progress.inner_step}"
-            if x.progress.phase
-            else "-",
-            f"{x.progress.train_loss:.4f}" if x.progress.train_loss else "-",
-            f"{x.progress.merge_wait_s:.1f}s" if x.progress.merge_wait_s else "-",
-        )
-        for x in s.sites
+
+
+def _site_table(sites) -> list[str]:
+    rows = [_site_row(x) for x in sites]
+    widths = [max(len(row[i]) for row in [SITE_COLUMNS, *rows]) for i in range(len(SITE_COLUMNS))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [SITE_COLUMNS, *rows]
     ]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     if not rows:
         lines.append("(no sites have joined)")
-    return "\n".join(lines)
+    return lines
