@@ -91,13 +91,11 @@ QUICK_MODEL = {"d_model": 64, "n_layers": 4, "n_heads": 4, "d_ff": 256, "seq_len
 
 @dataclass(frozen=True)
 class UtilisationSpec(JobSpec):
-    """The fault harness's job with the example GPT, plain DiLoCo, and the run's codec and
-    streaming tables (``fragments = 0``: no ``[streaming]`` table, blocking DiLoCo)."""
+    """The fault harness's job with the example GPT, plain DiLoCo, and the run's codec (its
+    ``fragments``/``delay_steps`` give the ``[streaming]`` table; 1 and 0: blocking DiLoCo)."""
 
     model: tuple = tuple(MODEL.items())
     codec: str = "fp32"
-    fragments: int = 0
-    delay_steps: int = 0
     checkpoint_every: int = 0  # a site checkpoint per task only
     heartbeat_s: float = 1.0
     lease_ttl_s: float = 60.0
@@ -111,12 +109,6 @@ class UtilisationSpec(JobSpec):
         if self.codec != "fp32":
             cfg["compression"] = {"default": self.codec}
             cfg["compression.downlink"] = {"default": self.codec}
-        if self.fragments:
-            cfg["streaming"] = {
-                "fragments": self.fragments,
-                "delay_steps": self.delay_steps,
-                "merge_alpha": 0.0,
-            }
         return cfg
 
 
@@ -168,7 +160,7 @@ def run(folder: Path, setting: Setting, plan: Plan) -> Result:
         inner_steps=plan.inner_steps,
         model=tuple(plan.model.items()),
         codec=setting.codec,
-        fragments=setting.fragments if streaming else 0,
+        fragments=setting.fragments if streaming else 1,
         delay_steps=setting.delay_steps if streaming else 0,
         deadline_s=plan.timeout_s,
     )
