@@ -221,6 +221,9 @@ def plot(results: list[Result], path: Path, title: str, link_mbit: float) -> Non
                 left.scatter([r.link_mbit] * len(r.sites), [s.utilisation for s in r.sites],
                              color="black", s=10)  # fmt: skip
     left.set_xscale("log", base=2)
+    rates = sorted({r.link_mbit for r in results if r.codec == "fp32"})
+    left.set_xticks(rates, [f"{x:g}" for x in rates])
+    left.minorticks_off()
     left.set_xlabel("link rate per direction per site (Mbit/s)")
     left.set_ylabel("compute utilisation (inner steps / wall)")
     left.set_ylim(0, 1.05)

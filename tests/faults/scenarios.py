@@ -64,7 +64,6 @@ SCENARIOS: list[Scenario] = [
         "coordinator killed while aggregating",
         coord.kill_while_aggregating,
         JobSpec(close_delay_s=2.0, delay_round=coord.ROUND),
-        slow=False,
     ),
     Scenario(
         "coordinator killed while checkpointing",
