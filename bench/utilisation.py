@@ -3,15 +3,16 @@
 ::
 
     python -m bench.utilisation [--quick] [--modes blocking,streaming] [--codecs fp32,int8,int4]
-                                [--out DIR] [--rate-mbps 2] [--delay-ms 50] ...
+                                [--out DIR] [--link-mbit 4] [--sweep-mbit 8] [--delay-ms 50] ...
 
 Each run is a real job: a ``coordinator serve`` and two ``siteclient start`` sites (one FSDP2
 trainer each, ``examples/gpt_diloco/train.py``) over mutual TLS, every site dialling the
 coordinator through its own ``bench.relay.Relay`` (the harness of ``tests/faults/cluster.py``):
 a one-way delay and a rate cap per direction shared by the site's connections, an emulated
 WAN link. The model is the example GPT sized in ``[model] kwargs`` so that one blocking sync
-costs many inner steps here (by default 0.87 M parameters, 3.5 MB in float32, over 2 MB/s
-and 50 ms each way, against 30 to 70 ms per inner step on one of two busy cores).
+costs many inner steps here (by default 0.87 M parameters, 3.5 MB in float32, over 4 Mbit/s
+and 50 ms each way: a blocking sync of about 15 s, against 50 to 60 ms per inner step on one of
+two busy cores).
 
 Runs, all on the same link and for the same inner steps (``--rounds`` outer rounds of H):
 
@@ -47,13 +48,16 @@ Two cores are shared by both trainers, both agents, the coordinator and the rela
 an agent spends encoding and sending while its trainer computes slows the steps down (as it
 would on a busy host); the utilisation still counts those steps as compute.
 
-Defaults: H 64, P 4, tau = H/P - 1 = 15 (the most time a fragment may travel), 4 rounds;
-the six runs take about 4 minutes here. ``--quick``: a 0.2 M-parameter GPT, H 16, 2 rounds,
-fp32 only.
+Defaults: H 320, P 2, tau = H/P - 1 = 159 (the most time a fragment may travel), 4 rounds; fp32
+on the main link (``--link-mbit``) and on each rate of ``--sweep-mbit``, int8 and int4 on the
+main link: 8 runs, about 15 minutes here. ``--quick``: a 0.2 M-parameter GPT, H 16, 2 rounds,
+fp32 on the main link only.
 
 Output: a line per run as it finishes, the table, the plot (``utilisation.png`` in ``--out``,
-its path printed), and as the last line ``util_<mode>_<codec>=...`` per run and
-``streaming_over_blocking=...`` (fp32; ``_<codec>`` for the others both modes ran).
+its path printed: utilisation against link rate for both modes, and each codec on the main
+link), the line ``util_<mode>_<codec>_<rate>mbit=...`` per run and, last, ``blocking_cu=...
+streaming_cu=... link_mbit=... rtt_ms=... model_mb=... fragments=... tau=...
+streaming_over_blocking=...`` (fp32 on the main link).
 """
 
 from __future__ import annotations
@@ -210,13 +214,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a short smoke run (about a minute)")
     p.add_argument("--modes", default=",".join(MODES), help="of blocking, streaming")
     p.add_argument("--codecs", help=f"of {', '.join(CODECS)} (default all; quick: fp32)")
-    p.add_argument("--rounds", type=int, help="outer rounds (default 3; quick 2)")
-    p.add_argument("--inner-steps", type=int, help="H (default 128; quick 16)")
-    p.add_argument("--fragments", type=int, default=4, help="streaming's P")
+    p.add_argument("--rounds", type=int, help="outer rounds (default 4; quick 2)")
+    p.add_argument("--inner-steps", type=int, help="H (default 320; quick 16)")
+    p.add_argument("--fragments", type=int, default=2, help="streaming's P")
     p.add_argument("--delay-steps", type=int, help="streaming's tau (default H/P - 1)")
-    p.add_argument("--link-mbit", type=float, default=10.0, help="the main link: Mbit/s per "
+    p.add_argument("--link-mbit", type=float, default=4.0, help="the main link: Mbit/s per "
                    "direction per site (every codec runs there)")  # fmt: skip
-    p.add_argument("--sweep-mbit", default="5,20", help="other link rates, fp32 only ('' none)")
+    p.add_argument("--sweep-mbit", default="8", help="other link rates, fp32 only ('' none)")
     p.add_argument("--delay-ms", type=float, default=50.0, help="one-way delay")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--out", type=Path, help="runs' folders and the plot (default: a temp dir)")
@@ -229,7 +233,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     for name, chosen, known in (("--modes", modes, MODES), ("--codecs", codecs, CODECS)):
         if unknown := sorted(set(chosen) - set(known)):
             raise SystemExit(f"{name}: unknown {unknown[0]!r}; choose from {', '.join(known)}")
-    h = args.inner_steps or (16 if args.quick else 128)
+    h = args.inner_steps or (16 if args.quick else 320)
     p = args.fragments
     tau = args.delay_steps if args.delay_steps is not None else max(0, h // p - 1)
     if p < 1 or h % p or tau >= h // p:
@@ -239,7 +243,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         modes = [m for m in modes if m != "streaming"]
     plan = Plan(
         model=QUICK_MODEL if args.quick else MODEL,
-        rounds=args.rounds or (2 if args.quick else 3),
+        rounds=args.rounds or (2 if args.quick else 4),
         inner_steps=h,
         link_mbit=args.link_mbit,
         delay_s=args.delay_ms / 1000,

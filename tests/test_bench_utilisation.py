@@ -127,9 +127,9 @@ def test_quick_run_end_to_end(tmp_path: Path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     *_, runs, last = done.stdout.strip().splitlines()
     utils = parse_figures(runs)
-    assert set(utils) == {"util_blocking_fp32_10mbit", "util_streaming_fp32_10mbit"}, utils
+    assert set(utils) == {"util_blocking_fp32_4mbit", "util_streaming_fp32_4mbit"}, utils
     assert all(0.0 < v <= 1.0 and not math.isnan(v) for v in utils.values()), utils
     got = parse_figures(last)
     assert 0.0 < got["blocking_cu"] <= 1.0 and 0.0 < got["streaming_cu"] <= 1.0, got
-    assert (got["link_mbit"], got["rtt_ms"], got["fragments"]) == (10, 100, 4), got
+    assert (got["link_mbit"], got["rtt_ms"], got["fragments"]) == (4, 100, 2), got
     assert (tmp_path / "utilisation.png").stat().st_size > 0
