@@ -83,6 +83,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _fits(piece: Piece, source: torch.Tensor) -> bool:
+    """Whether the file's tensor is the one the piece is a box of (shape and dtype)."""
+    return tuple(source.shape) == piece.global_shape and source.dtype == piece.local.dtype
+
+
 @torch.no_grad()
 def load_pieces(pieces: list[Piece], theta: MappedTensors) -> list[str]:
     """Copy each piece's box of theta into the model; returns the names whose loaded bytes
@@ -90,7 +95,7 @@ def load_pieces(pieces: list[Piece], theta: MappedTensors) -> list[str]:
     wrong = []
     for p in pieces:
         source = theta.tensors[p.name]
-        if tuple(source.shape) != p.global_shape or source.dtype != p.local.dtype:
+        if not _fits(p, source):
             wrong.append(p.name)
             continue
         box = source[p.box]
@@ -113,7 +118,7 @@ def merge_pieces(
     wrong = []
     for p in chosen:
         source = theta.tensors[p.name]
-        if tuple(source.shape) != p.global_shape or source.dtype != p.local.dtype:
+        if not _fits(p, source):
             wrong.append(p.name)
             continue
         mixed = p.local.to(torch.float32) * alpha + source[p.box].to(torch.float32) * (1 - alpha)

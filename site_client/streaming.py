@@ -40,7 +40,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from site_client.errors import TrainerError
 from site_client.shards import local_pieces, merge_pieces
@@ -161,14 +160,10 @@ class StreamingRounds:
 
     def _merge(self, names: frozenset[str], spec: RoundSpec, step: int) -> None:
         started = time.monotonic()
-        wrong = merge_pieces(self.pieces, self.theta, names, self.cfg.merge_alpha)
-        flag = torch.tensor([0 if wrong else 1], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if not flag.item():
-            where = f": {', '.join(wrong[:5])} on rank {self.s.rank}" if wrong else ""
-            raise TrainerError(
-                f"theta_{spec.version}: merging its fragment into the model failed{where}"
-            )
+        self.s._all_exact(
+            merge_pieces(self.pieces, self.theta, names, self.cfg.merge_alpha),
+            f"theta_{spec.version}: merging its fragment into the model failed",
+        )
         self.s._timing(
             "merge", started, round=spec.round, step=step, version=spec.version, tensors=len(names)
         )

@@ -333,15 +333,19 @@ class SiteSession:
     def _load(self, pieces: list[Piece], theta: MappedTensors, spec: RoundSpec) -> None:
         """Load this rank's shards of theta_version; every rank must load exactly."""
         started = time.monotonic()
-        wrong = load_pieces(pieces, theta)
+        self._all_exact(
+            load_pieces(pieces, theta),
+            f"theta_{spec.version} loaded into the model does not match the agent's file",
+        )
+        self._timing("load", started, version=spec.version)
+
+    def _all_exact(self, wrong: list[str], problem: str) -> None:
+        """Raise ``problem`` on every rank unless every rank's ``wrong`` is empty."""
         flag = torch.tensor([0 if wrong else 1], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if not flag.item():
             where = f": {', '.join(wrong[:5])} on rank {self.rank}" if wrong else " on another rank"
-            raise TrainerError(
-                f"theta_{spec.version} loaded into the model does not match the agent's file{where}"
-            )
-        self._timing("load", started, version=spec.version)
+            raise TrainerError(f"{problem}{where}")
 
     def _submit(
         self, pieces, theta, spec: RoundSpec, weight: float, durable: bool, names=None
