@@ -52,7 +52,7 @@ class CallLimits:
     wait: int = 2  # WaitRound (a long poll)
     fetch: int = 2
     push: int = 2
-    status: int = 4  # operators
+    status: int = 4  # operators: Status, Drain
 
     def of(self, kind: str) -> int:
         return getattr(self, kind)
@@ -218,6 +218,7 @@ def method_handlers(gate: CallGate, servicer) -> tuple[grpc.GenericRpcHandler, .
         "Leave": _unary(gate, "control", servicer.Leave, pb.LeaveRequest),
         "WaitRound": _unary(gate, "wait", servicer.WaitRound, pb.WaitRoundRequest),
         "Status": _unary(gate, "status", servicer.Status, pb.StatusRequest),
+        "Drain": _unary(gate, "status", servicer.Drain, pb.DrainRequest),
         "Fetch": stream_stream(
             gate.unary_stream("fetch", servicer.Fetch),
             request_deserializer=pb.FetchRequest.FromString,

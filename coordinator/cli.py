@@ -1,4 +1,4 @@
-"""``coordinator``: serve a job, or show the status of a running one.
+"""``coordinator``: serve a job, show the status of a running one, drain its sites.
 
 Only the standard library and small modules load before the command line is parsed: torch and
 grpc are imported by the command that needs them, so ``--help`` and usage errors are instant.
@@ -26,6 +26,7 @@ from coordinator.job_end import (
     stopped_message,
 )
 from coordinator.local_cli import add_local_parser, run_local, split_script
+from coordinator.operator_cli import add_drain_parsers, operator_call_failure, run_drain
 from wire.cli_flags import add_security_flags, add_version_flag, bundle_from_flags, quiet_grpc
 from wire.config_table import ConfigError, check_listen
 from wire.identity import IdentityError
@@ -92,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     add_local_parser(sub)
     add_certs_parser(sub)
     add_history_parser(sub)
+    add_drain_parsers(sub)
     return p
 
 
@@ -211,7 +213,7 @@ def _status(args) -> int:
                 reply = stub.Status(pb.StatusRequest(), timeout=args.timeout)
             except grpc.RpcError as exc:
                 print(
-                    f"coordinator: error: {_status_failure(args.coordinator, exc, bundle)}",
+                    f"coordinator: error: {operator_call_failure(args.coordinator, exc, bundle)}",
                     file=sys.stderr,
                 )
                 return 1
@@ -226,26 +228,6 @@ def _status(args) -> int:
                 time.sleep(args.watch)
             except KeyboardInterrupt:
                 return 0
-
-
-def _status_failure(address: str, exc, bundle) -> str:
-    """The one line a failed ``Status`` (``exc``, a ``grpc.RpcError``) prints: refused, a TLS
-    problem, or no answer."""
-    import grpc
-
-    from wire.tls_probe import diagnose, looks_like_tls
-
-    code = exc.code()
-    if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
-        return f"{address} refused the call ({code.name}): {exc.details()}"
-    if code == grpc.StatusCode.UNAVAILABLE and bundle and looks_like_tls(exc.details()):
-        problem = diagnose(address, bundle)
-        if problem is not None:
-            return f"cannot talk to {address}: {problem.message}"
-    return (
-        f"no answer from {address} ({code.name}): is `coordinator serve` running there, "
-        "and do its TLS settings match?"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             "export": _export,
             "local": lambda a: run_local(a, script),
             "history": run_history,
+            "drain": run_drain,
+            "undrain": run_drain,
         }
         return commands[args.command](args)
     except (ConfigError, StartError, IdentityError, OSError) as exc:

@@ -9,8 +9,9 @@ written once (read by ``wire.config_table.load_table``): ``[model]`` in
 ``coordinator.model_source``, ``[aggregation]`` in ``strategies.robust``, ``[rounds]`` in
 ``coordinator.rounds``, ``[timeouts]`` in ``coordinator.failure_detector``, ``[speculation]`` in
 ``coordinator.speculation``, ``[compression]`` in ``wire.codecs.rules``, ``[events]`` in
-``coordinator.event_history``, ``[evaluation]`` in ``coordinator.evaluation`` and
-``[streaming]`` in ``wire.fragments``. The rest are here, with the rules that span tables.
+``coordinator.event_history``, ``[evaluation]`` in ``coordinator.evaluation``,
+``[streaming]`` in ``wire.fragments`` and ``[health]`` in ``wire.health``. The rest are here,
+with the rules that span tables.
 
 With ``[streaming]`` (P fragments) each coordinator round syncs one fragment and covers
 ``H / P`` inner steps, so ``JobConfig.rounds`` holds the *effective* rounds: ``total * P``
@@ -69,6 +70,10 @@ Example::
     [streaming]              # optional: Streaming DiLoCo, one fragment syncs per round
     fragments = 2            # P; rounds.inner_steps % P == 0 (federated data only)
     delay_steps = 1          # tau < inner_steps / P: the site merges tau steps after sending
+
+    [health]                 # optional: site probes at join and every N rounds
+    every_rounds = 10
+    min_fraction = 0.25      # drain a site below 0.25 x the median (0, the default: never)
 """
 
 from __future__ import annotations
@@ -103,6 +108,7 @@ from wire.config_table import (
     setting,
 )
 from wire.fragments import StreamingConfig, streaming_from_job
+from wire.health import HealthConfig, health_from_job
 
 __all__ = [
     "AggregationConfig",
@@ -135,6 +141,7 @@ SECTIONS = (
     "events",
     "evaluation",
     "streaming",
+    "health",
 )
 DATA_MODES = ("federated", "shared")
 
@@ -208,6 +215,7 @@ class JobConfig:
     streaming: StreamingConfig | None = None
     # The ``[rounds]`` table as written: ``rounds`` itself unless ``[streaming]`` is set.
     outer_rounds: RoundsConfig | None = None
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     @property
     def outer_inner_steps(self) -> int:
@@ -253,6 +261,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         evaluation = load_table(EvaluationConfig, data["evaluation"], "evaluation")
         needs_factory(evaluation, model.factory)
     streaming = streaming_from_job(data)
+    health = health_from_job(data)
     effective = streaming_rounds(streaming, rounds, data_cfg)
     unknown = sorted(set(data) - set(SECTIONS))
     if unknown:
@@ -275,6 +284,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         evaluation,
         streaming,
         rounds if streaming is not None else None,
+        health,
     )
 
 

@@ -27,6 +27,7 @@ from coordinator.config import JobConfig
 from coordinator.counting import UpdateCounter
 from coordinator.disk import until_written
 from coordinator.downlink import Downlink
+from coordinator.drain import DrainList, drain_message
 from coordinator.evaluation import Evaluation, describe, load_hook
 from coordinator.evaluator import Evaluator, Reports
 from coordinator.events import EventLog, EventSink
@@ -41,12 +42,14 @@ from coordinator.records import (
     check_name,
 )
 from coordinator.round_driver import RoundDriver
+from coordinator.site_control import SiteControl
 from coordinator.spool import UpdateSpool
 from coordinator.status import StatusSnapshot, snapshot_of
 from coordinator.store import CheckpointStore
 from coordinator.streaming import RoundTensors
 from coordinator.uploads import Upload, UploadTable
 from strategies import RobustAggregator, load_strategy
+from wire.health import Probe
 
 log = logging.getLogger("isthmus.coordinator")
 WAIT_ROUND_CAP_S = 60.0
@@ -73,6 +76,14 @@ class CoordinatorCore:
         downlink = streaming.downlink_config(cfg.downlink, cfg.streaming)
         self.downlink = Downlink(downlink) if downlink is not None else None
         self.sink = EventSink(self.events)
+        self.control = SiteControl(
+            DrainList(cfg.state_dir),
+            self.members,
+            cfg.health,
+            cfg.rounds.min_sites,
+            self.sink.post,
+            hand_back=cfg.data.mode == "shared",
+        )
         # Set when the coordinator stops: what waits for disk space (coordinator.disk) gives up.
         self.stopping = threading.Event()
         self.writer = CheckpointWriter(self.store, self.stopping)
@@ -288,16 +299,46 @@ class CoordinatorCore:
     def join(self, site: str, num_examples: int = 0):
         check_name("site name", site)
         with self._locked() as s:
+            self.control.drains.refuse_join(site)
             lease = self.members.join(site, self.clock())
             self.sink.post("join", site=site, token=lease.token)
             log.info("site %s joined (token %d)", site, lease.token)
             s.changed()
             return lease, self.round_info(site)
 
-    def heartbeat(self, site: str, token: int, progress: dict | None):
-        with self._locked():
-            lease = self.members.heartbeat(site, token, progress, self.clock())
-            return lease, self.round_info(site), self.data.take_cancels(site)
+    def heartbeat(self, site: str, token: int, progress: dict | None, probe: Probe | None = None):
+        """Renew ``site``'s lease; returns it, the round info and the units cancelled."""
+        drained = False
+        with self._locked() as s:
+            now = self.clock()
+            lease, fresh = self.members.heartbeat(site, token, progress, now, probe)
+            if fresh:
+                drained = self.control.probed(site, probe, now)
+                if drained:
+                    s.changed()
+            reply = lease, self.round_info(site), self.data.take_cancels(site)
+        if drained:
+            self.control.save(self.lock)
+        return reply
+
+    def drain_reason(self, site: str) -> str:
+        """Why ``site`` is drained ("" while it is not): ``Command.drain`` in replies."""
+        with self.lock:
+            return self.control.drain_reason(site)
+
+    def set_drain(self, site: str, drain: bool, reason: str = "") -> tuple[bool, str, list[str]]:
+        """An operator drains or undrains ``site``; returns (changed, what happened, the sites
+        drained now) once the drain list is on disk."""
+        check_name("site name", site)
+        with self._locked() as s:
+            c = self.control
+            changed = c.drain(site, reason, "operator") if drain else c.undrain(site)
+            known = site in self.members.sites
+            s.changed()
+            drained = c.drains.names()
+        if changed:
+            self.control.save(self.lock)
+        return changed, drain_message(site, drain, changed, known), drained
 
     def leave(self, site: str, token: int) -> None:
         with self._locked() as s:
@@ -322,12 +363,13 @@ class CoordinatorCore:
                 superseded = s.watchers.get(site) != call
                 if changed or superseded or s.fatal or self._stopping:
                     break
-                if self.data.has_cancels(site):
+                if self.data.has_cancels(site) or self.control.untold(site, token):
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self.wake.wait(left)
+            self.control.tell(site, token)
             return info, self.data.take_cancels(site)
 
     # ---- theta downlink -------------------------------------------------------------------

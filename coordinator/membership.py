@@ -19,6 +19,7 @@ from coordinator.config import TimeoutsConfig
 from coordinator.failure_detector import PhiAccrualDetector
 from coordinator.leases import Lease, LeaseError, LeaseTable
 from coordinator.records import Refused, SiteRecord
+from wire.health import Probe
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ class Membership:
         self.max_sites = max_sites
         self.sites: dict[str, SiteRecord] = {}
         self.suspected: frozenset[str] = frozenset()
+        # Drained sites (``coordinator.drain``): in no round that opens from now on. Where they
+        # hand their work back (shared-data mode) they are not waited for in the open one
+        # either; otherwise they finish it.
+        self.drained: frozenset[str] = frozenset()
+        self.drained_hand_back = False
 
     def record(self, site: str) -> SiteRecord:
         return self.sites.setdefault(site, SiteRecord())
@@ -74,7 +80,10 @@ class Membership:
         except LeaseError as exc:
             raise Refused("lease", str(exc)) from exc
 
-    def heartbeat(self, site: str, token: int, progress: dict | None, now: float) -> Lease:
+    def heartbeat(
+        self, site: str, token: int, progress: dict | None, now: float, probe: Probe | None = None
+    ) -> tuple[Lease, bool]:
+        """Renew the lease; the second value says whether ``probe`` is one not seen before."""
         try:
             lease = self.leases.renew(site, token, now)
         except LeaseError as exc:
@@ -82,7 +91,10 @@ class Membership:
         record = self.record(site)
         record.last_heartbeat, record.progress, record.state = now, progress, "active"
         self.detector.heartbeat(site, now)
-        return lease
+        fresh = probe is not None and probe != record.health
+        if fresh:
+            record.health = probe
+        return lease, fresh
 
     def data_arrived(self, site: str, token: int, now: float) -> None:
         """A chunk of an update arrived: renew the lease if it is still the current one."""
@@ -109,7 +121,12 @@ class Membership:
         return self.leases.live(now)
 
     def responsive(self, now: float) -> set[str]:
-        return self.leases.live(now) - self.suspected
+        gone = self.drained if self.drained_hand_back else frozenset()
+        return self.leases.live(now) - self.suspected - gone
+
+    def candidates(self, now: float) -> set[str]:
+        """The sites a round that opens now may take: live and not drained."""
+        return self.leases.live(now) - self.drained
 
     def update_suspicion(self, now: float) -> SuspicionChange:
         """Suspect live sites whose phi crossed the threshold and that sent no data lately."""

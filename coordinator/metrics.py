@@ -182,6 +182,19 @@ def _site_families(snap: StatusSnapshot):
             "Seconds its trainers waited for late fragment results (streaming), in all",
             lambda s: s.progress.merge_wait_s,
         ),
+        "site_drained": ("1 while the site is drained", lambda s: float(bool(s.drained))),
+        "site_matmul_gflops": (
+            "Its newest health probe: a timed matmul on its device (0: no probe yet)",
+            lambda s: s.health.matmul_gflops,
+        ),
+        "site_allreduce_gbps": (
+            "Its newest health probe: all-reduce bandwidth over its ranks (0: one rank)",
+            lambda s: s.health.allreduce_gbps,
+        ),
+        "site_gpu_errors": (
+            "GPU error counters its newest probe found",
+            lambda s: float(len(s.health.gpu_errors)),
+        ),
     }
     for name, (doc, value) in per_site.items():
         family = GaugeMetricFamily(PREFIX + name, doc, labels=["site"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from wire.health import Probe
 from wire.proto import isthmus_pb2 as pb
 from wire.tensors import Manifest
 
@@ -136,6 +137,7 @@ class SiteRecord:
     last_round_pushed: int | None = None
     progress: dict | None = None
     last_data_at: float | None = None  # last chunk of an update received
+    health: Probe | None = None  # the newest health probe (``wire.health``)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class RoundDriver:
             self.post("lease_expired", site=site)
             log.warning("lease of site %s expired", site)
         self._suspicion(now)
-        live = self.members.live(now)
+        live = self.members.candidates(now)
         round_file = None
         was_open = s.round.opened_at is not None
         s.round = open_round(now, s.round, live, self.opts)

@@ -22,6 +22,7 @@ from coordinator.records import PushHeader, Refused, check_name
 from coordinator.status import status_reply
 from wire.bulk import chunk_frame, parse_chunk
 from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError, iter_chunks
+from wire.health import Probe
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 
@@ -105,6 +106,14 @@ def refuse_unknown_fields(msg: Message) -> None:
         raise Refused("invalid", f"{where} has fields this coordinator does not know")
 
 
+def probe_of(report: pb.HealthReport) -> Probe:
+    """A heartbeat's health report as the coordinator keeps it; refused whole if unreadable."""
+    probe = Probe.of_report(report)
+    if problem := probe.problem():
+        raise Refused("invalid", f"heartbeat: {problem}")
+    return probe
+
+
 def lease_pb(lease, ttl_s: float) -> pb.Lease:
     return pb.Lease(site=lease.site, lease_id=lease.token, token=lease.token, ttl_s=ttl_s)
 
@@ -158,14 +167,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             "phase": p.phase[:32],  # shown in every Status reply: keep it small
             "merge_wait_s": p.merge_wait_s if math.isfinite(p.merge_wait_s) else 0.0,
         }
-        lease, info, cancels = self.core.heartbeat(
-            request.lease.site, request.lease.token, progress
-        )
+        probe = probe_of(request.health) if request.HasField("health") else None
+        site = request.lease.site
+        lease, info, cancels = self.core.heartbeat(site, request.lease.token, progress, probe)
         return pb.HeartbeatReply(
             lease=lease_pb(lease, self.ttl_s),
             round=pb.RoundInfo(**info),
-            commands=[pb.Command(cancel_unit=u) for u in cancels],
+            commands=self._commands(site, cancels),
         )
+
+    def _commands(self, site: str, cancels: list[str]) -> list[pb.Command]:
+        commands = [pb.Command(cancel_unit=u) for u in cancels]
+        if reason := self.core.drain_reason(site):
+            commands.append(pb.Command(drain=reason))
+        return commands
 
     @_refusals_to_status
     def WaitRound(self, request: pb.WaitRoundRequest, context) -> pb.WaitRoundReply:
@@ -186,7 +201,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             request.lease.site, request.lease.token, known, request.timeout_s
         )
         return pb.WaitRoundReply(
-            round=pb.RoundInfo(**info), commands=[pb.Command(cancel_unit=u) for u in cancels]
+            round=pb.RoundInfo(**info), commands=self._commands(request.lease.site, cancels)
         )
 
     @_refusals_to_status
@@ -313,3 +328,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._auth(context, "operator")
         refuse_unknown_fields(request)
         return status_reply(self.core.snapshot())
+
+    @_refusals_to_status
+    def Drain(self, request: pb.DrainRequest, context) -> pb.DrainReply:
+        """``coordinator drain`` / ``undrain``: an operator's certificate only."""
+        self._auth(context, "operator")
+        refuse_unknown_fields(request)
+        changed, message, drained = self.core.set_drain(
+            request.site, not request.undrain, request.reason
+        )
+        return pb.DrainReply(changed=changed, message=message, drained=drained)

@@ -84,6 +84,8 @@ def _site_status(core, name: str, now: float) -> pb.SiteStatus:
         phi=members.detector.phi(name, now) if lease is not None else 0.0,
         suspected=name in members.suspected,
         data_units=units,
+        drained=core.control.drain_reason(name),
+        health=_health(rec.health),
         progress=pb.Progress(
             round=p.get("round", 0),
             inner_step=p.get("inner_step", 0),
@@ -91,6 +93,20 @@ def _site_status(core, name: str, now: float) -> pb.SiteStatus:
             phase=p.get("phase", ""),
             merge_wait_s=p.get("merge_wait_s", 0.0),
         ),
+    )
+
+
+def _health(probe) -> pb.HealthReport | None:
+    if probe is None:
+        return None
+    return pb.HealthReport(
+        round=probe.round,
+        matmul_gflops=probe.matmul_gflops,
+        allreduce_gbps=probe.allreduce_gbps,
+        world_size=probe.world_size,
+        device=probe.device,
+        gpu_errors=list(probe.gpu_errors),
+        seq=probe.seq,
     )
 
 
@@ -155,6 +171,7 @@ def format_status(s: pb.StatusReply) -> str:
     lines = _summary_lines(s)
     lines.append("")
     lines += _site_table(s.sites)
+    lines += [f"drained: {x.site}: {x.drained}" for x in s.sites if x.drained]
     return "\n".join(lines)
 
 
@@ -197,6 +214,7 @@ SITE_COLUMNS = (
     "PHASE",
     "LOSS",
     "MERGE WAIT",
+    "HEALTH",
 )
 
 
@@ -204,7 +222,7 @@ def _site_row(x: pb.SiteStatus) -> tuple[str, ...]:
     p = x.progress
     return (
         x.site,
-        x.state + (" (suspected)" if x.suspected else ""),
+        x.state + (" (suspected)" if x.suspected else "") + (" (drained)" if x.drained else ""),
         str(x.token),
         f"{x.lease_remaining_s:.1f}s",
         _age(x.last_heartbeat_age_s),
@@ -215,7 +233,17 @@ def _site_row(x: pb.SiteStatus) -> tuple[str, ...]:
         f"{p.phase} r{p.round} step {p.inner_step}" if p.phase else "-",
         f"{p.train_loss:.4f}" if p.train_loss else "-",
         f"{p.merge_wait_s:.1f}s" if p.merge_wait_s else "-",
+        _health_cell(x.health) if x.HasField("health") else "-",
     )
+
+
+def _health_cell(h: pb.HealthReport) -> str:
+    cell = f"{h.matmul_gflops:.3g} GF/s"
+    if h.world_size > 1:
+        cell += f" {h.allreduce_gbps:.3g} GB/s"
+    if h.gpu_errors:
+        cell += f" {len(h.gpu_errors)} GPU error(s)"
+    return cell
 
 
 def _site_table(sites) -> list[str]:

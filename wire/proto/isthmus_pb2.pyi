@@ -143,16 +143,36 @@ class Command(_message.Message):
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     new_round: RoundInfo
     cancel_unit: str
-    drain: bool
-    def __init__(self, new_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., cancel_unit: _Optional[str] = ..., drain: _Optional[bool] = ...) -> None: ...
+    drain: str
+    def __init__(self, new_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., cancel_unit: _Optional[str] = ..., drain: _Optional[str] = ...) -> None: ...
+
+class HealthReport(_message.Message):
+    __slots__ = ("round", "matmul_gflops", "allreduce_gbps", "world_size", "device", "gpu_errors", "seq")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MATMUL_GFLOPS_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_GBPS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GPU_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    matmul_gflops: float
+    allreduce_gbps: float
+    world_size: int
+    device: str
+    gpu_errors: _containers.RepeatedScalarFieldContainer[str]
+    seq: int
+    def __init__(self, round: _Optional[int] = ..., matmul_gflops: _Optional[float] = ..., allreduce_gbps: _Optional[float] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., gpu_errors: _Optional[_Iterable[str]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("lease", "progress")
+    __slots__ = ("lease", "progress", "health")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     progress: Progress
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+    health: HealthReport
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., health: _Optional[_Union[HealthReport, _Mapping]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("lease", "round", "commands")
@@ -267,7 +287,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SiteStatus(_message.Message):
-    __slots__ = ("site", "state", "token", "lease_remaining_s", "last_heartbeat_age_s", "last_update_age_s", "last_round_pushed", "progress", "phi", "suspected", "data_units")
+    __slots__ = ("site", "state", "token", "lease_remaining_s", "last_heartbeat_age_s", "last_update_age_s", "last_round_pushed", "progress", "phi", "suspected", "data_units", "drained", "health")
     SITE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +299,8 @@ class SiteStatus(_message.Message):
     PHI_FIELD_NUMBER: _ClassVar[int]
     SUSPECTED_FIELD_NUMBER: _ClassVar[int]
     DATA_UNITS_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     site: str
     state: str
     token: int
@@ -290,7 +312,9 @@ class SiteStatus(_message.Message):
     phi: float
     suspected: bool
     data_units: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., last_update_age_s: _Optional[float] = ..., last_round_pushed: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., phi: _Optional[float] = ..., suspected: _Optional[bool] = ..., data_units: _Optional[_Iterable[str]] = ...) -> None: ...
+    drained: str
+    health: HealthReport
+    def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., last_update_age_s: _Optional[float] = ..., last_round_pushed: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., phi: _Optional[float] = ..., suspected: _Optional[bool] = ..., data_units: _Optional[_Iterable[str]] = ..., drained: _Optional[str] = ..., health: _Optional[_Union[HealthReport, _Mapping]] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out", "rejections", "aggregation", "data_mode", "units_committed", "units_pending", "evaluation", "fragments")
@@ -329,6 +353,26 @@ class StatusReply(_message.Message):
     evaluation: Evaluation
     fragments: int
     def __init__(self, job_name: _Optional[str] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., updates_received: _Optional[int] = ..., updates_expected: _Optional[int] = ..., round_age_s: _Optional[float] = ..., waiting_reason: _Optional[str] = ..., strategy: _Optional[str] = ..., wan_bytes_in: _Optional[int] = ..., wan_bytes_out: _Optional[int] = ..., rejections: _Optional[_Iterable[str]] = ..., aggregation: _Optional[str] = ..., data_mode: _Optional[str] = ..., units_committed: _Optional[_Iterable[str]] = ..., units_pending: _Optional[_Iterable[str]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ..., fragments: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("site", "undrain", "reason")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    UNDRAIN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    undrain: bool
+    reason: str
+    def __init__(self, site: _Optional[str] = ..., undrain: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("changed", "message", "drained")
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    changed: bool
+    message: str
+    drained: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, changed: _Optional[bool] = ..., message: _Optional[str] = ..., drained: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Evaluation(_message.Message):
     __slots__ = ("version", "metrics", "seconds")

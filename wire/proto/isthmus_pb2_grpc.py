@@ -69,6 +69,11 @@ class CoordinatorStub:
                 request_serializer=wire_dot_proto_dot_isthmus__pb2.StatusRequest.SerializeToString,
                 response_deserializer=wire_dot_proto_dot_isthmus__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/isthmus.v1.Coordinator/Drain',
+                request_serializer=wire_dot_proto_dot_isthmus__pb2.DrainRequest.SerializeToString,
+                response_deserializer=wire_dot_proto_dot_isthmus__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -116,6 +121,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +164,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=wire_dot_proto_dot_isthmus__pb2.StatusRequest.FromString,
                     response_serializer=wire_dot_proto_dot_isthmus__pb2.StatusReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=wire_dot_proto_dot_isthmus__pb2.DrainRequest.FromString,
+                    response_serializer=wire_dot_proto_dot_isthmus__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +360,33 @@ class Coordinator:
             '/isthmus.v1.Coordinator/Status',
             wire_dot_proto_dot_isthmus__pb2.StatusRequest.SerializeToString,
             wire_dot_proto_dot_isthmus__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Coordinator/Drain',
+            wire_dot_proto_dot_isthmus__pb2.DrainRequest.SerializeToString,
+            wire_dot_proto_dot_isthmus__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,
