@@ -96,19 +96,26 @@ class SiteAgent:
         )
         self.state.heard(reply.round, [])
 
-    def stop(self, leave: bool = True) -> None:
+    def stop(self, leave: bool = True, reason: str = "site stopping") -> None:
         with self.state.cond:
             self.state.stopping = True
             self.state.cond.notify_all()
         # Leave first, while the lease is still renewed: the round watch may sit in a
         # WaitRound for a while yet, and no heartbeat goes out once the loops are told to stop.
         if leave:
-            self.client.leave("site stopping")
+            self.client.leave(reason)
         for t in self._threads:
             t.join(timeout=0.5 if t.name == "agent-watch" else 5)
         self.ipc.close()
         shutil.rmtree(self.cfg.shm_dir, ignore_errors=True)
         self._owner.close()
+
+    def finish_drained(self, timeout_s: float) -> bool:
+        """After a drained site's trainers left: wait until the updates they handed over are
+        pushed (or given up on); False if some were still unsent after ``timeout_s``."""
+        s = self.state
+        with s.cond:
+            return s.cond.wait_for(lambda: s.error or not s.book.pending, timeout=timeout_s)
 
     def fail(self, message: str) -> None:
         self.state.fail(message)
@@ -123,8 +130,9 @@ class SiteAgent:
                     return
                 progress = pb.Progress()
                 progress.CopyFrom(s.progress)
+                health = s.health
             try:
-                reply = self.client.heartbeat(progress)
+                reply = self.client.heartbeat(progress, health)
             except (CoordinatorError, DeadlineExceeded) as exc:
                 if not s.stopping:  # a heartbeat in flight while the site leaves: no loss
                     self.fail(f"lost the coordinator: {exc}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from site_client.metrics import ComputeClock, TransferStats
 from site_client.scratch import default_shm_dir
-from site_client.tasks import Task, TaskBook, Upload, describe, unit_index
+from site_client.tasks import Task, TaskBook, Upload, describe, task_of, unit_index
 from site_client.theta_fetch import GlobalState
 from wire.proto import isthmus_pb2 as pb
 
@@ -63,6 +63,10 @@ class AgentState:
         self.progress = pb.Progress(phase="idle")
         self.error: str | None = None
         self.stopping = False
+        # Why the coordinator drained this site ("" while it is not): the site finishes what
+        # it owes, then its trainers and the agent leave (``owes_work``).
+        self.drained = ""
+        self.health: pb.HealthReport | None = None  # the trainers' newest probe
 
     def fail(self, message: str) -> None:
         log.error("[%s] %s", self.site, message)
@@ -99,12 +103,54 @@ class AgentState:
         self.cond.notify_all()
 
     def heard(self, info: pb.RoundInfo, commands) -> None:
-        """Take in a reply from the coordinator: the task asked for now, the units cancelled."""
+        """Take in a reply from the coordinator: the task asked for now, the units cancelled,
+        whether the site is drained (every reply says so while it is)."""
         with self.cond:
             self.take_round(info)
+            drain = ""
             for command in commands:
-                if command.WhichOneof("kind") == "cancel_unit":
+                kind = command.WhichOneof("kind")
+                if kind == "cancel_unit":
                     self.cancel(command.cancel_unit)
+                elif kind == "drain":
+                    drain = command.drain or "no reason given"
+            self.take_drain(drain)
+
+    def take_drain(self, reason: str) -> None:
+        """Adopt the drain state (called under ``cond``). Drained in shared-data mode, the
+        units still in training are handed back: the trainers stop them, another site trains
+        them. Updates already handed over are pushed all the same."""
+        if reason == self.drained:
+            return
+        was, self.drained = self.drained, reason
+        if not reason:
+            log.warning("[%s] undrained by the coordinator: the site stays", self.site)
+            return
+        if was:
+            return
+        training = {t.unit for t in self.book.issued if t.unit and not self.book.done(t)}
+        for unit in sorted(training):
+            self.let_go(*self._hand_back(unit))
+        log.warning(
+            "[%s] drained by the coordinator (%s): %s",
+            self.site,
+            reason,
+            f"handing back {', '.join(sorted(training))}, then leaving"
+            if training
+            else "finishing the current task and pushing what it owes, then leaving",
+        )
+        self.cond.notify_all()
+
+    def _hand_back(self, unit: str) -> tuple[list[Task], list[Upload], Upload | None]:
+        training = [t for t in self.book.issued if t.unit == unit and not self.book.done(t)]
+        known = self.info.round if self.info is not None else 0
+        return (training, *self.book.cancel(unit, known))
+
+    def owes_work(self) -> bool:
+        """Whether the trainers have a task to finish before a drained site leaves: the
+        federated task asked for now, until it is handed over (called under ``cond``)."""
+        task = task_of(self.info)
+        return task is not None and not task.unit and not self.book.done(task)
 
     def let_go(self, training: list[Task], dropped: list[Upload], aborted: Upload | None):
         """Delete the files of updates no longer wanted; say what stopped, for the log."""

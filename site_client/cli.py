@@ -173,11 +173,32 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         reason = agent.error or f"{type(exc).__name__}: {str(exc).strip().splitlines()[0:1]}"
         print(f"siteclient: error: trainers of site {args.site} failed: {reason}", file=sys.stderr)
         return 1
+    if not agent.error and agent.state.drained:
+        return _leave_drained(agent, args.site, args.outage_timeout)
     error = agent.error
     agent.stop(leave=True)
     if error:
         print(f"siteclient: error: {error}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _leave_drained(agent, site: str, timeout_s: float) -> int:
+    """The trainers left because the coordinator drained the site: push what they handed
+    over, then leave the job (exit 0: a drain is an operator's decision, not a failure)."""
+    reason = agent.state.drained
+    pushed = agent.finish_drained(timeout_s)
+    error = agent.error
+    agent.stop(leave=True, reason=f"drained: {reason}")
+    if error or not pushed:
+        problem = error or f"updates still unsent after {timeout_s:g}s"
+        print(f"siteclient: error: site {site} was drained ({reason}): {problem}", file=sys.stderr)
+        return 1
+    print(
+        f"siteclient: site {site} was drained by the coordinator ({reason}); its work is "
+        "pushed and it left the job (`coordinator undrain` lets it join again)",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -188,11 +188,13 @@ class CoordinatorClient:
         self.left = False
         return self.call("join", self._join_once)
 
-    def heartbeat(self, progress: pb.Progress | None = None) -> pb.HeartbeatReply:
+    def heartbeat(
+        self, progress: pb.Progress | None = None, health: pb.HealthReport | None = None
+    ) -> pb.HeartbeatReply:
         return self.call(
             "heartbeat",
             lambda: self.control.Heartbeat(
-                pb.HeartbeatRequest(lease=self.lease, progress=progress),
+                pb.HeartbeatRequest(lease=self.lease, progress=progress, health=health),
                 timeout=self.rpc_timeout_s,
             ),
         )

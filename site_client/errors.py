@@ -24,3 +24,12 @@ class PushAborted(RuntimeError):
 
 class TrainerError(RuntimeError):
     """The trainer cannot go on (no agent, theta mismatch, misuse of the API)."""
+
+
+class SiteDrained(SystemExit):
+    """The coordinator drained this site and its trainers owe nothing more: every rank leaves
+    the training script with exit status 0 (the agent pushes what is left, then leaves)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(0)
+        self.reason = reason

@@ -4,12 +4,15 @@
 ``site=site-0,round=1,step=3,rank=1,action=kill``: when rank 1 of site-0 has finished inner
 step 3 of round 1, it kills itself with SIGKILL (a real crash: no cleanup, no exit handlers).
 ``action=stall,seconds=S`` sleeps S seconds there instead, once, which makes the site a
-straggler (the other ranks wait for it at their next collective). A fault fires only in the
-launch attempt it names (``restart=N``, default 0), so the restarted trainer gets past it.
+straggler (the other ranks wait for it at their next collective). ``action=slow_probe,
+seconds=S`` (with ``step=0``) makes the health probe that runs before that round S seconds
+slower inside its timed matmul: a site whose device looks throttled (``wire.health``). A
+fault fires only in the launch attempt it names (``restart=N``, default 0), so the restarted
+trainer gets past it.
 
 Keys: ``site``, ``round``, ``step`` (required), ``rank``, ``restart`` (default 0), ``action``
-(``kill``, the default, or ``stall``) and ``seconds`` (required for ``stall``, refused
-otherwise). Any other key is refused.
+(``kill``, the default, ``stall`` or ``slow_probe``) and ``seconds`` (required for ``stall``
+and ``slow_probe``, refused otherwise). Any other key is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import time
 from dataclasses import dataclass
 
 ENV = "ISTHMUS_FAULTS"
-ACTIONS = ("kill", "stall")
+ACTIONS = ("kill", "stall", "slow_probe")
+STEP_ACTIONS = ("kill", "stall")  # what fires after an inner step; slow_probe is the probe's
+TIMED = ("stall", "slow_probe")  # the actions that take seconds=
 
 
 @dataclass(frozen=True)
@@ -56,20 +61,26 @@ def parse_faults(text: str) -> list[Fault]:
             raise ValueError(f"{ENV}: cannot read fault {spec!r}: {exc}") from exc
         if fields or fault.action not in ACTIONS:
             raise ValueError(f"{ENV}: unknown keys {sorted(fields)} or action in {spec!r}")
-        if fault.action == "stall" and (seconds is None or not 0 < seconds < math.inf):
-            raise ValueError(f"{ENV}: action=stall needs seconds=S with S > 0 in {spec!r}")
-        if fault.action != "stall" and seconds is not None:
-            raise ValueError(f"{ENV}: seconds= is only for action=stall in {spec!r}")
+        if fault.action in TIMED and (seconds is None or not 0 < seconds < math.inf):
+            raise ValueError(f"{ENV}: action={fault.action} needs seconds=S with S > 0 in {spec!r}")
+        if fault.action not in TIMED and seconds is not None:
+            raise ValueError(f"{ENV}: seconds= is only for action=stall or slow_probe in {spec!r}")
         faults.append(fault)
     return faults
 
 
 def fault_at(
-    faults: list[Fault], site: str, round_number: int, step: int, rank: int, restart: int
+    faults: list[Fault],
+    site: str,
+    round_number: int,
+    step: int,
+    rank: int,
+    restart: int,
+    actions: tuple[str, ...] = STEP_ACTIONS,
 ) -> Fault | None:
-    """The fault planned for this exact point, if any (pure)."""
+    """The fault of one of ``actions`` planned for this exact point, if any (pure)."""
     for f in faults:
-        if (f.site, f.round, f.step, f.rank, f.restart) == (
+        if f.action in actions and (f.site, f.round, f.step, f.rank, f.restart) == (
             site,
             round_number,
             step,

@@ -64,9 +64,10 @@ from site_client.checkpoint import (
     prune_site_checkpoints,
     site_checkpoint_path,
 )
-from site_client.errors import TrainerError
+from site_client.errors import SiteDrained, TrainerError
 from site_client.faults import ENV as FAULTS_ENV
 from site_client.faults import fault_at, inject, parse_faults
+from site_client.health_probe import SiteProber
 from site_client.local_ipc import IpcClient
 from site_client.shards import Piece, load_pieces, local_pieces, write_update
 from site_client.streaming import StreamingRounds
@@ -74,6 +75,7 @@ from site_client.tasks import unit_index, unit_name
 from site_client.timings import record
 from site_client.trainer_round import Round, RoundHooks, RoundSpec
 from wire.fragments import streaming_from_job
+from wire.health import health_from_job
 from wire.safetensors_io import MappedTensors, map_tensors
 
 ENV_SOCKET = "ISTHMUS_AGENT_SOCKET"
@@ -168,6 +170,13 @@ class SiteSession:
         self.checkpointer = AsyncCheckpointer()
         # ``[streaming]``: fragments sync in turn and merge late (``site_client.streaming``).
         self.streaming = streaming_from_job(self.job_config)
+        self.prober = SiteProber(
+            health_from_job(self.job_config),
+            self.rank,
+            self.world_size,
+            self._probe_fault_s,
+            lambda result: self.ipc.call("health", **result.as_report()),
+        )
 
     # ---- the round loop -------------------------------------------------------------------
 
@@ -306,15 +315,33 @@ class SiteSession:
                 -1 if unit is None else unit,
                 reply.get("site_index", 0),
                 reply.get("num_sites", 0),
+                int(bool(reply.get("drained"))),
             ],
             dtype=torch.int64,
         )
         dist.broadcast(fields, src=0)
-        r, v, h, total, finished, unit, index, sites = (int(x) for x in fields.tolist())
+        r, v, h, total, finished, unit, index, sites, drained = (int(x) for x in fields.tolist())
+        if drained:
+            self._leave_drained()
         path = self._agree_on(reply.get("theta_path", ""))
         if not finished:  # the final theta is no round of this site's
             self.site_index, self.num_sites = index, sites
+            self.prober.before(r)
         return RoundSpec(r, v, h, total, bool(finished), path, "", unit_name(unit), index, sites)
+
+    def _leave_drained(self) -> None:
+        """The site is drained and nothing more is asked of its trainers: finish the
+        checkpoint being written (the agent's last push waits for it) and leave, every rank."""
+        if self.rank == 0:
+            print(f"[{self.site}] drained by the coordinator: trainers leave", file=sys.stderr)
+        self.close()
+        raise SiteDrained("drained")
+
+    def _probe_fault_s(self, round_number: int) -> float:
+        """Seconds a planned ``slow_probe`` fault adds to the probe before ``round_number``."""
+        here = (self.site, round_number, 0, self.rank, self.restart_count)
+        fault = fault_at(self.faults, *here, actions=("slow_probe",))
+        return fault.seconds if fault is not None else 0.0
 
     def _agree_on(self, text: str) -> str:
         """Rank 0's ``text`` on every rank (the theta file's path; no pickle)."""

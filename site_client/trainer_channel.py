@@ -23,6 +23,12 @@ file of whole tensors), ``weight``, ``durable``)
     may count now (its push sends its last chunk).
 ``metrics`` (any numbers)
     -> ``{}``; appended to ``run_dir/metrics.jsonl`` and logged.
+``health`` (``round``, ``matmul_gflops``, ``allreduce_gbps``, ``world_size``, ``device``,
+``gpu_errors``)
+    -> ``{}``; the trainers' newest probe (``site_client.health_probe``), sent in heartbeats.
+
+``wait_round`` answers ``{"ready": true, "drained": true}`` once the coordinator drained the
+site and the trainers owe nothing more: every rank then leaves the script with status 0.
 
 A reply ``{"error": ...}`` means the request was refused (``IpcError`` in the trainer).
 """
@@ -37,6 +43,7 @@ from pathlib import Path
 from site_client.agent_state import AgentConfig, AgentState
 from site_client.local_ipc import Handler
 from site_client.tasks import Task, task_of
+from wire.proto import isthmus_pb2 as pb
 
 log = logging.getLogger("isthmus.site")
 
@@ -59,6 +66,7 @@ class TrainerChannel:
             "submit": self.submit,
             "checkpointed": self.checkpointed,
             "metrics": self.metrics,
+            "health": self.health,
         }
 
     def hello(self, req: dict) -> dict:
@@ -125,15 +133,52 @@ class TrainerChannel:
         s = self.state
         timeout = float(req.get("timeout", self.cfg.wait_poll_s))
         with s.cond:
-            if not s.cond.wait_for(lambda: s.error or self.offer() is not None, timeout=timeout):
+            leave = self._drained_out
+            if not s.cond.wait_for(
+                lambda: s.error or leave() or self.offer() is not None, timeout=timeout
+            ):
                 return {"ready": False}
             if s.error:
                 raise RuntimeError(s.error)
+            if leave():  # SiteSession leaves: every rank exits the script with status 0
+                return {"ready": True, "drained": True, "finished": False}
             offer = self.offer()
             if not offer["finished"]:
                 s.book.issue(Task(offer["round"], offer["data_unit"]), offer["version"])
                 s.compute.task_taken(time.monotonic())
             return {"ready": True, **offer}
+
+    def _drained_out(self) -> bool:
+        """Drained, and the trainers owe nothing more (called under ``cond``)."""
+        s = self.state
+        finished = s.ready is not None and s.ready.finished
+        return bool(s.drained) and not finished and not s.owes_work()
+
+    def health(self, req: dict) -> dict:
+        """The trainers' newest probe (``site_client.health_probe``): sent in heartbeats."""
+        with self.state.cond:
+            seq = self.state.health.seq + 1 if self.state.health is not None else 1
+            self.state.health = pb.HealthReport(
+                round=int(req["round"]),
+                matmul_gflops=float(req["matmul_gflops"]),
+                allreduce_gbps=float(req["allreduce_gbps"]),
+                world_size=int(req["world_size"]),
+                device=str(req["device"])[:128],
+                gpu_errors=[str(e)[:256] for e in req.get("gpu_errors", [])][:16],
+                seq=seq,
+            )
+        log.info(
+            "[%s] health probe before round %s: matmul %.3g GFLOP/s, all-reduce %.3g GB/s "
+            "over %s rank(s) on %s%s",
+            self.cfg.site,
+            req["round"],
+            float(req["matmul_gflops"]),
+            float(req["allreduce_gbps"]),
+            req["world_size"],
+            req["device"],
+            f"; GPU errors: {'; '.join(req['gpu_errors'])}" if req.get("gpu_errors") else "",
+        )
+        return {}
 
     def progress(self, req: dict) -> dict:
         task = _task(req)

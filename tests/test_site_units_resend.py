@@ -25,7 +25,7 @@ class ResendClient(FakeClient):
         self.sent.append(b"".join(bytes(d) for _, d in payload.chunks(0, 1 << 20)))
         return super().push(round_number, payload, **kw)
 
-    def heartbeat(self, progress=None) -> pb.HeartbeatReply:
+    def heartbeat(self, progress=None, health=None) -> pb.HeartbeatReply:
         return pb.HeartbeatReply(round=self.info(self.coordinator_round, ""))
 
 

@@ -90,7 +90,7 @@ class ScriptedCoordinator:
     def join(self) -> pb.JoinReply:
         return pb.JoinReply(round=self.info("u0"), job_name="units", heartbeat_interval_s=0.05)
 
-    def heartbeat(self, progress=None) -> pb.HeartbeatReply:
+    def heartbeat(self, progress=None, health=None) -> pb.HeartbeatReply:
         with self.lock:
             if self.pushes:
                 done = pb.RoundInfo(round=1, version=1, total_rounds=1, finished=True)
