@@ -31,6 +31,7 @@ sys.path.insert(0, str(TESTS))  # the scenarios and their harness live with the 
 
 from faults.scenarios import SCENARIOS, Result, reference_hash, run_scenario  # noqa: E402
 
+from bench.progress import steps  # noqa: E402
 from bench.sync_report import print_table  # noqa: E402
 
 COLUMNS = ("scenario", "survived", "rounds lost", "double counted", "recovery s", "wall s")
@@ -62,9 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, results = [], []
     started = time.monotonic()
     try:
-        for i, scenario in enumerate(chosen, 1):
+        for scenario in steps(chosen, lambda s: s.name):
             slug = re.sub(r"[^a-z0-9]+", "-", scenario.name.lower()).strip("-")
-            print(f"[{i}/{len(chosen)}] {scenario.name} ...", flush=True)
             reference = None
             if scenario.deterministic:
                 reference = reference_hash(scenario.spec, root / f"reference-{slug}")

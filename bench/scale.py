@@ -23,6 +23,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from bench.progress import steps
 from bench.sync_run import _wait_address, import_baseline_rss, job_config, watch_peak_rss
 
 WIDTHS = {64: (2048, 4), 256: (4096, 4)}  # MiB -> (width, depth): depth * width^2 * 4 bytes
@@ -107,13 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     baseline = import_baseline_rss()
     counts = [int(x) for x in args.sites.split(",")]
     table: dict[int, dict[int, float]] = {}
-    for mib in (int(x) for x in args.sizes.split(",")):
+    runs = [(int(x), n) for x in args.sizes.split(",") for n in counts]
+    for mib, n in steps(runs, lambda r: f"{r[0]} MiB, {r[1]} sites"):
         width, depth = WIDTHS[mib]
         model_bytes = depth * (width * width + width) * 4
-        for n in counts:
-            print(f"{mib} MiB, {n} sites ...", flush=True)
-            peak = run(root / f"{mib}mib-{n}", mib, n, args.rounds)
-            table.setdefault(mib, {})[n] = (peak - baseline) / model_bytes
+        peak = run(root / f"{mib}mib-{n}", mib, n, args.rounds)
+        table.setdefault(mib, {})[n] = (peak - baseline) / model_bytes
     print(f"\ncoordinator peak RSS above its import baseline ({baseline / 1e6:.0f} MB), over the")
     print("float32 model size:")
     print("model     " + "".join(f"{n:>8} sites" for n in counts))

@@ -276,6 +276,7 @@ def import_baseline_rss() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.progress import steps
     from bench.sync import SIZES
 
     p = argparse.ArgumentParser(prog="python -m bench.sync")
@@ -287,14 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=Path, help="keep the runs' folders (logs, state) here")
     args = p.parse_args(argv)
     root = args.keep or Path(tempfile.mkdtemp(prefix="isthmus-sync-"))
+    jobs = [(size, codec) for size in args.sizes.split(",") for codec in args.codecs.split(",")]
+    jobs.append(("1m", "fp32"))  # the last: the fixed cost, with the default timeouts
+
+    def label(job: tuple[str, str]) -> str:
+        last = job is jobs[-1]
+        return f"{job[0]} {job[1]}" + (" with the default timeouts" if last else "")
+
     results = []
-    for size in args.sizes.split(","):
-        for codec in args.codecs.split(","):
-            print(f"running {size} {codec} ...", flush=True)
-            width, depth = SIZES[size]
-            results.append(run_job(root / f"{size}-{codec}", size, width, depth, codec, args))
-    print("running 1m fp32 with the default timeouts ...", flush=True)
-    tiny = run_job(root / "1m-fp32", "1m", *SIZES["1m"], "fp32", args)
+    for size, codec in steps(jobs, label):
+        width, depth = SIZES[size]
+        results.append(run_job(root / f"{size}-{codec}", size, width, depth, codec, args))
+    tiny = results.pop()
     baseline = import_baseline_rss()
     from bench.sync_report import report
 

@@ -10,6 +10,9 @@ while the checkpoint is written.
 A refusal because the unit was already committed carries the winner's name in trailing metadata
 (``isthmus-committed-by``); if it is this site (its own earlier copy, replayed after a
 coordinator restart) the update did count.
+
+Every byte sent is reported to ``progress`` (``site_client.transfer_progress``): a bar on a
+terminal, a log line now and then elsewhere, for a long push only.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from site_client.errors import CoordinatorError, PushAborted
+from site_client.transfer_progress import TransferProgress
 from site_client.update_payload import UpdatePayload
 from wire.bulk import chunk_frame
 from wire.chunking import ChunkError
@@ -52,6 +56,7 @@ class UpdatePush:
         upload_id: str | None = None,
         abort: Callable[[], bool] | None = None,
         hold: threading.Event | None = None,
+        progress: TransferProgress | None = None,
     ) -> None:
         self.client, self.round, self.payload = client, round_number, payload
         self.weight, self.base, self.unit = weight, base_version, data_unit
@@ -60,6 +65,7 @@ class UpdatePush:
         self.hold = hold
         self.acked, self.tries = 0, 0
         self.held_s = 0.0  # how long the last chunk waited for ``hold``
+        self.progress = progress or TransferProgress()
 
     def header(self) -> bytes:
         return pb.PushMessage(
@@ -76,8 +82,10 @@ class UpdatePush:
 
     def frames(self, start: int) -> Iterator[bytes]:
         """The header, then the chunks from ``start`` (``wire.bulk`` frames)."""
-        yield self.header()
         total = self.payload.total_bytes
+        # A resumed stream starts at the acked offset: the bytes past it are sent again.
+        self.progress.start(f"push round {self.round}", total, start)
+        yield self.header()
         for offset, data in self.payload.chunks(start, self.client.chunk_bytes):
             if self.abort():
                 return  # a short stream is left uncounted by the coordinator
@@ -85,6 +93,7 @@ class UpdatePush:
                 return
             yield chunk_frame(offset, data)
             self.client.bytes_sent += len(data)
+            self.progress.advance(len(data))
 
     def _wait_for_hold(self) -> bool:
         """Before the last chunk: wait for ``hold``; False if withdrawn meanwhile."""
@@ -116,8 +125,11 @@ class UpdatePush:
         return reply
 
     def run(self) -> pb.PushReply:
+        complete = False
         try:
-            return self.client.call("push", self.attempt)
+            reply = self.client.call("push", self.attempt)
+            complete = True
+            return reply
         except CoordinatorError as exc:
             if exc.code != grpc.StatusCode.ALREADY_EXISTS:
                 raise
@@ -125,6 +137,8 @@ class UpdatePush:
             if self.unit and lost_race(winner, self.client.site):
                 raise  # another copy of the unit won the race: ours did not count
             return pb.PushReply(complete=True, message=f"already counted: {exc}")
+        finally:
+            self.progress.finish(complete)
 
 
 def lost_race(winner: str, site: str) -> bool:

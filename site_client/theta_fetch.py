@@ -9,11 +9,15 @@ With ``dest`` theta is written straight into a safetensors file there (the strea
 mapped file, a delta is applied into it), which the trainers then map: no copy of theta beyond
 that file. A whole theta whose payload SHA-256 verifies is the coordinator's, byte for byte, so
 its state hash is not computed again; a rebuilt one is always hashed.
+
+Every byte received is reported to a new ``TransferProgress`` per fetch (a bar on a terminal, a
+log line now and then elsewhere, for a long fetch only); ``new_progress`` makes it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +25,7 @@ import grpc
 import torch
 
 from site_client.errors import CoordinatorError
+from site_client.transfer_progress import TransferProgress
 from wire.bulk import parse_chunk
 from wire.chunking import BufferSink, ChunkError, Reassembler
 from wire.downlink import apply_delta, differing
@@ -67,9 +72,12 @@ def _sink_for(manifest: Manifest, delta: bool, dest: Path | None):
 
 
 class ThetaFetcher:
-    def __init__(self, client) -> None:
+    def __init__(
+        self, client, new_progress: Callable[[], TransferProgress] = TransferProgress
+    ) -> None:
         self.client = client
         self.delta_mismatches = 0
+        self.new_progress = new_progress
 
     def fetch(
         self, version: int | None = None, held: GlobalState | None = None, dest: Path | None = None
@@ -125,6 +133,7 @@ class ThetaFetcher:
         c = self.client
         from_version = held.version if held is not None else None
         st: dict = {"manifest": None, "sink": None, "asm": None, "header": None}
+        progress = self.new_progress()
 
         def attempt():
             asm = st["asm"]
@@ -162,13 +171,23 @@ class ThetaFetcher:
                 )
                 if offset:
                     raise ChunkError("the coordinator moved to a new payload; restarting")
+            delta = (
+                f" (delta from v{header.from_version})" if header.HasField("from_version") else ""
+            )
+            # A resumed stream starts at what arrived before the break, not at 0.
+            progress.start(f"fetch theta v{header.version}{delta}", manifest.total_bytes, offset)
             for frame in frames:
                 chunk_offset, data = parse_chunk(frame)
                 st["asm"].add(chunk_offset, data)
                 c.bytes_received += len(data)
+                progress.advance(len(data))
 
+        complete = False
         try:
             c.call("fetch", attempt)
+            complete = True
         except ChunkError as exc:
             raise CoordinatorError(None, f"fetch: bad payload from coordinator: {exc}") from exc
+        finally:
+            progress.finish(complete)
         return st["manifest"], st["sink"], st["header"]
