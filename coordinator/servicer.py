@@ -89,11 +89,11 @@ def unknown_field_path(msg: Message, path: str = "") -> str | None:
     for field, value in msg.ListFields():
         if field.type != field.TYPE_MESSAGE:
             continue
-        items = value if field.label == field.LABEL_REPEATED else [value]
+        items = value if field.is_repeated else [value]
         for i, item in enumerate(items):
             found = unknown_field_path(
                 item,
-                f"{name}.{field.name}" + (f"[{i}]" if field.label == field.LABEL_REPEATED else ""),
+                f"{name}.{field.name}" + (f"[{i}]" if field.is_repeated else ""),
             )
             if found:
                 return found

@@ -99,7 +99,7 @@ class SiteControl:
         drained = False
         for verdict in health_verdicts(probes, self.health, in_job, self.min_sites):
             if not verdict.held:
-                drained |= self.drain(verdict.site, f"health: {verdict.reason}", "health")
+                drained |= self.drain(verdict.site, verdict.reason, "health")
             elif self.held.get(verdict.site) != verdict.reason:
                 self.held[verdict.site] = verdict.reason
                 log.warning(

@@ -159,7 +159,7 @@ def _plain(msg) -> dict:
     for f in msg.DESCRIPTOR.fields:
         value = getattr(msg, f.name)
         one = _plain if f.type == f.TYPE_MESSAGE else _scalar
-        out[f.name] = [one(v) for v in value] if f.label == f.LABEL_REPEATED else one(value)
+        out[f.name] = [one(v) for v in value] if f.is_repeated else one(value)
     return out
 
 

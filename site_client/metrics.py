@@ -85,6 +85,7 @@ class AgentCollector:
             stats = s.transfers
             counts, seconds = dict(stats.counts), dict(stats.seconds)
             held, reported = stats.held_s, dict(stats.trainer_metrics)
+            health, drained = s.health, s.drained
         yield _gauge("round", "The round the trainers work on", rnd)
         yield _gauge("inner_step", "Their last reported inner step", step)
         yield _gauge("train_loss", "Their last reported train loss", loss)
@@ -113,6 +114,14 @@ class AgentCollector:
         for name, value in sorted(reported.items()):
             family.add_metric([name], value)
         yield family
+        yield _gauge("drained", "1 once the coordinator drained this site", float(bool(drained)))
+        if health is not None:  # the trainers' newest probe (site_client.health_probe)
+            yield _gauge("matmul_gflops", "Health probe: matmul GFLOP/s", health.matmul_gflops)
+            yield _gauge(
+                "allreduce_gbps", "Health probe: all-reduce GB/s over the site's ranks",
+                health.allreduce_gbps,
+            )  # fmt: skip
+            yield _gauge("gpu_errors", "Health probe: GPU error counters", len(health.gpu_errors))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -36,7 +36,9 @@ def pki(tmp_path_factory):
 @pytest.fixture(scope="module")
 def coord(pki, tmp_path_factory):
     folder = tmp_path_factory.mktemp("drain-coord")
-    path = write_config(folder, job_config(name="drain-job", rounds={"min_sites": 3, "max_sites": 4}))
+    path = write_config(
+        folder, job_config(name="drain-job", rounds={"min_sites": 3, "max_sites": 4})
+    )
     proc = CoordinatorProcess(
         path,
         folder / "state",

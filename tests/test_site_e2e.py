@@ -38,7 +38,13 @@ ROUNDS = 3
 
 
 def start_site(
-    tmp: Path, address: str, index: int, env: dict, agent_flags: tuple[str, ...] = ()
+    tmp: Path,
+    address: str,
+    index: int,
+    env: dict,
+    agent_flags: tuple[str, ...] = (),
+    nproc: int = 2,
+    num_sites: int = 2,
 ) -> subprocess.Popen:
     site = f"site-{index}"
     issue(tmp / "ca", "site", site, tmp / "pki" / site)
@@ -57,7 +63,7 @@ def start_site(
         "--tls-dir",
         str(tmp / "pki" / site),
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--connect-timeout",
         "30",
         *agent_flags,
@@ -66,7 +72,7 @@ def start_site(
         "--site-index",
         str(index),
         "--num-sites",
-        "2",
+        str(num_sites),
         "--batch-size",
         "4",
         "--eval-batches",
