@@ -210,6 +210,10 @@ def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
     assert m[("isthmus_agent_bytes_received_total", ())] > 0
     assert sum(v for (name, _), v in m.items() if name == "isthmus_agent_phase") == 1
     assert ("isthmus_agent_trainer_metric", (("name", "val_loss"),)) in m
+    # The trainers' health probe: a matmul on each rank and an all-reduce over the two.
+    assert m[("isthmus_agent_matmul_gflops", ())] > 0
+    assert m[("isthmus_agent_allreduce_gbps", ())] > 0
+    assert m[("isthmus_agent_drained", ())] == 0
 
 
 @pytest.mark.slow
