@@ -243,12 +243,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
     model = load_table(ModelConfig, data.get("model", {}), "model", base_dir)
     strategy = load_table(StrategyConfig, data.get("strategy", {}), "strategy")
     aggregation = AggregationConfig.from_table(data.get("aggregation", {}))
-    try:  # sites read the same table from the config the coordinator hands them on Join
-        compression, downlink = compression_tables(
-            as_table(data.get("compression", {}), "compression")
-        )
-    except CodecConfigError as exc:
-        raise ConfigError(str(exc)) from exc
+    compression, downlink = _compression(data)
     rounds = load_table(RoundsConfig, data.get("rounds", {}), "rounds")
     timeouts = load_table(TimeoutsConfig, data.get("timeouts", {}), "timeouts")
     timeouts.check_hierarchy(rounds.deadline_s)
@@ -261,7 +256,6 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         evaluation = load_table(EvaluationConfig, data["evaluation"], "evaluation")
         needs_factory(evaluation, model.factory)
     streaming = streaming_from_job(data)
-    health = health_from_job(data)
     effective = streaming_rounds(streaming, rounds, data_cfg)
     unknown = sorted(set(data) - set(SECTIONS))
     if unknown:
@@ -284,8 +278,17 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         evaluation,
         streaming,
         rounds if streaming is not None else None,
-        health,
+        health_from_job(data),
     )
+
+
+def _compression(data: dict[str, Any]) -> tuple[CompressionConfig, CompressionConfig | None]:
+    """``[compression]`` and its downlink table (sites read the same table from the config the
+    coordinator hands them on Join)."""
+    try:
+        return compression_tables(as_table(data.get("compression", {}), "compression"))
+    except CodecConfigError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def streaming_rounds(

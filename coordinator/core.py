@@ -27,7 +27,7 @@ from coordinator.config import JobConfig
 from coordinator.counting import UpdateCounter
 from coordinator.disk import until_written
 from coordinator.downlink import Downlink
-from coordinator.drain import DrainList, drain_message
+from coordinator.drain import DrainList, check_reason, drain_message
 from coordinator.evaluation import Evaluation, describe, load_hook
 from coordinator.evaluator import Evaluator, Reports
 from coordinator.events import EventLog, EventSink
@@ -76,14 +76,7 @@ class CoordinatorCore:
         downlink = streaming.downlink_config(cfg.downlink, cfg.streaming)
         self.downlink = Downlink(downlink) if downlink is not None else None
         self.sink = EventSink(self.events)
-        self.control = SiteControl(
-            DrainList(cfg.state_dir),
-            self.members,
-            cfg.health,
-            cfg.rounds.min_sites,
-            self.sink.post,
-            hand_back=cfg.data.mode == "shared",
-        )
+        self.control = self._site_control()
         # Set when the coordinator stops: what waits for disk space (coordinator.disk) gives up.
         self.stopping = threading.Event()
         self.writer = CheckpointWriter(self.store, self.stopping)
@@ -101,23 +94,10 @@ class CoordinatorCore:
             cfg.server.max_update_bytes,
             measure_norms=self.aggregator.clip_norm > 0,
         )
-        self.driver = RoundDriver(
-            self.state,
-            self.members,
-            self.data,
-            cfg.rounds,
-            self.strategy,
-            self.sink.post,
-            self.new_sum,
-        )
+        parts = (self.state, self.members, self.data)
+        self.driver = RoundDriver(*parts, cfg.rounds, self.strategy, self.sink.post, self.new_sum)
         self.counter = UpdateCounter(
-            self.state,
-            self.members,
-            self.data,
-            self.strategy,
-            self.aggregator,
-            self.uploads,
-            self.sink.post,
+            *parts, self.strategy, self.aggregator, self.uploads, self.sink.post
         )
         self.evaluator = self._start_evaluator()
         self.pipeline = ClosePipeline(self._close_parts())
@@ -126,6 +106,15 @@ class CoordinatorCore:
         # Before any round: a job whose updates cannot be combined within memory stops here.
         like = {n: self.state.theta.tensors[n] for n in self.trainable}
         self.aggregator.check(self.strategy, cfg.rounds.max_sites, like)
+
+    def _site_control(self) -> SiteControl:
+        """Drains and the health rules; in shared-data mode a drained site hands back its units."""
+        cfg = self.cfg
+        drains = DrainList(cfg.state_dir)  # before any state: a damaged list stops the start
+        hand_back = cfg.data.mode == "shared"
+        return SiteControl(
+            drains, self.members, cfg.health, cfg.rounds.min_sites, self.sink.post, hand_back
+        )
 
     def _close_parts(self) -> CloseParts:
         return CloseParts(
@@ -307,18 +296,26 @@ class CoordinatorCore:
             return lease, self.round_info(site)
 
     def heartbeat(self, site: str, token: int, progress: dict | None, probe: Probe | None = None):
-        """Renew ``site``'s lease; returns it, the round info and the units cancelled."""
+        """Renew ``site``'s lease; returns it, the round info and the units cancelled. A new
+        health ``probe`` (at most one per site per round) goes through the health rules."""
         drained = False
         with self._locked() as s:
             now = self.clock()
-            lease, fresh = self.members.heartbeat(site, token, progress, now, probe)
-            if fresh:
-                drained = self.control.probed(site, probe, now)
-                if drained:
-                    s.changed()
+            lease = self.members.heartbeat(site, token, progress, now)
+            record = self.members.record(site)
+            c = self.control
+            new = probe is not None and probe != record.health  # sent with every heartbeat
+            if new and c.take_probe(site, probe, s.round.number):
+                record.health = probe
+                drained = c.probed(site, probe, now)
+            if drained:
+                s.changed()
             reply = lease, self.round_info(site), self.data.take_cancels(site)
         if drained:
-            self.control.save(self.lock)
+            try:
+                c.save(self.lock)
+            except OSError as exc:  # kept to write on the next drain call or probe
+                log.error("the drain list could not be written: %s", exc)
         return reply
 
     def drain_reason(self, site: str) -> str:
@@ -330,15 +327,24 @@ class CoordinatorCore:
         """An operator drains or undrains ``site``; returns (changed, what happened, the sites
         drained now) once the drain list is on disk."""
         check_name("site name", site)
+        check_reason(reason)
         with self._locked() as s:
             c = self.control
             changed = c.drain(site, reason, "operator") if drain else c.undrain(site)
             known = site in self.members.sites
             s.changed()
             drained = c.drains.names()
-        if changed:
-            self.control.save(self.lock)
-        return changed, drain_message(site, drain, changed, known), drained
+        try:
+            self.control.save(self.lock)  # also a write an earlier call could not finish
+        except OSError as exc:
+            raise Refused(
+                "full",
+                f"site {site} is {'drained' if drain else 'undrained'} now, but the list of "
+                f"drained sites could not be written ({exc}): it would not survive a restart; "
+                "retry once the state folder can be written",
+            ) from exc
+        hands_back = self.cfg.data.mode == "shared"
+        return changed, drain_message(site, drain, changed, known, hands_back), drained
 
     def leave(self, site: str, token: int) -> None:
         with self._locked() as s:

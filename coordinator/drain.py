@@ -92,7 +92,17 @@ class DrainList:
             )
 
 
-def drain_message(site: str, drain: bool, changed: bool, known: bool) -> str:
+def check_reason(reason: str) -> None:
+    """A drain's reason is shown in logs, status and the event log: printable, and short."""
+    if not reason.isprintable() or len(reason) > REASON_CHARS:
+        raise Refused(
+            "invalid",
+            f"a drain reason is printable text of at most {REASON_CHARS} characters "
+            f"(got {len(reason)} characters)",
+        )
+
+
+def drain_message(site: str, drain: bool, changed: bool, known: bool, hands_back: bool) -> str:
     """The one line ``coordinator drain`` / ``undrain`` prints."""
     if not drain:
         return (
@@ -107,4 +117,6 @@ def drain_message(site: str, drain: bool, changed: bool, known: bool) -> str:
             f"site {site} drained; it has not joined since this coordinator started, so it "
             "will be refused when it does (check the name)"
         )
+    if hands_back:
+        return f"site {site} drained: it hands back its data units, pushes what it owes and leaves"
     return f"site {site} drained: it finishes its current work, pushes it and leaves"

@@ -19,7 +19,6 @@ from coordinator.config import TimeoutsConfig
 from coordinator.failure_detector import PhiAccrualDetector
 from coordinator.leases import Lease, LeaseError, LeaseTable
 from coordinator.records import Refused, SiteRecord
-from wire.health import Probe
 
 
 @dataclass(frozen=True)
@@ -80,10 +79,7 @@ class Membership:
         except LeaseError as exc:
             raise Refused("lease", str(exc)) from exc
 
-    def heartbeat(
-        self, site: str, token: int, progress: dict | None, now: float, probe: Probe | None = None
-    ) -> tuple[Lease, bool]:
-        """Renew the lease; the second value says whether ``probe`` is one not seen before."""
+    def heartbeat(self, site: str, token: int, progress: dict | None, now: float) -> Lease:
         try:
             lease = self.leases.renew(site, token, now)
         except LeaseError as exc:
@@ -91,10 +87,7 @@ class Membership:
         record = self.record(site)
         record.last_heartbeat, record.progress, record.state = now, progress, "active"
         self.detector.heartbeat(site, now)
-        fresh = probe is not None and probe != record.health
-        if fresh:
-            record.health = probe
-        return lease, fresh
+        return lease
 
     def data_arrived(self, site: str, token: int, now: float) -> None:
         """A chunk of an update arrived: renew the lease if it is still the current one."""
@@ -121,6 +114,8 @@ class Membership:
         return self.leases.live(now)
 
     def responsive(self, now: float) -> set[str]:
+        """Live sites a round waits for: not suspected and, where drained sites hand their work
+        back (shared-data mode), not drained."""
         gone = self.drained if self.drained_hand_back else frozenset()
         return self.leases.live(now) - self.suspected - gone
 

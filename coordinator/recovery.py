@@ -113,6 +113,9 @@ def resume(core) -> None:
                 s.accepted[update.key] = update
     s.wanted = Wanted(s.round.number, _lost(checks(s.round.number), pin))
     s.pinned = pin if s.round.opened_at is not None else None
+    # A drained site is refused when it re-joins: holding a lease for it would only keep the
+    # round waiting for an update that cannot come.
+    expected = [site for site in expected if site not in core.control.drains]
     core.members.provisional(expected, core.clock())
     if expected:
         log.info("expecting %s to re-join", ", ".join(expected))

@@ -36,7 +36,9 @@ class SiteControl:
         members.drained = frozenset(drains.marks)
         members.drained_hand_back = hand_back
         self.told: dict[str, int] = {}  # site -> the lease token a WaitRound told of its drain
-        self.held: dict[str, str] = {}  # site -> the drain min_sites holds back (logged once)
+        self.held: set[str] = set()  # sites whose drain min_sites holds back (logged once)
+        self.probed_in: dict[str, int] = {}  # site -> the round of its last probe taken in
+        self.dirty = False  # the list changed since it was last written
         self._file = threading.Lock()
 
     # ---- drains ---------------------------------------------------------------------------
@@ -45,6 +47,7 @@ class SiteControl:
         """Drain ``site``; False if it already was."""
         if not self.drains.mark(site, reason, by, self.wall()):
             return False
+        self.dirty = True
         self.members.drained = frozenset(self.drains.marks)
         self.post("drained", site=site, reason=self.drains.marks[site].reason, by=by)
         log.warning("site %s drained by %s: %s", site, by, self.drains.marks[site].reason)
@@ -54,9 +57,10 @@ class SiteControl:
         """Admit ``site`` again; False if it was not drained."""
         if not self.drains.unmark(site):
             return False
+        self.dirty = True
         self.members.drained = frozenset(self.drains.marks)
         self.told.pop(site, None)
-        self.held.pop(site, None)
+        self.held.discard(site)
         self.post("undrained", site=site)
         log.info("site %s undrained: it may join again", site)
         return True
@@ -74,13 +78,30 @@ class SiteControl:
             self.told[site] = token
 
     def save(self, lock) -> None:
-        """Write the drain list as it is now (call without holding ``lock``)."""
+        """Write the drain list as it is now if it changed since the last write (call without
+        holding ``lock``). A write that fails leaves it to write on the next call: an operator's
+        retry of the same drain writes it, although nothing changes in memory then."""
         with self._file:
             with lock:
-                data = self.drains.serialized()
-            write_atomic(self.drains.path, data)
+                if not self.dirty:
+                    return
+                data, self.dirty = self.drains.serialized(), False
+            try:
+                write_atomic(self.drains.path, data)
+            except BaseException:
+                with lock:
+                    self.dirty = True
+                raise
 
     # ---- health ---------------------------------------------------------------------------
+
+    def take_probe(self, site: str, probe: Probe, round_number: int) -> bool:
+        """Whether a new probe of ``site`` is taken in: one per site per round (the trainers
+        probe far less often; more would only grow the event log and re-run the rules)."""
+        if self.probed_in.get(site) == round_number:
+            return False
+        self.probed_in[site] = round_number
+        return True
 
     def probed(self, site: str, probe: Probe, now: float) -> bool:
         """``site`` sent a new probe: apply the health rules; True if a site was drained."""
@@ -100,14 +121,13 @@ class SiteControl:
         for verdict in health_verdicts(probes, self.health, in_job, self.min_sites):
             if not verdict.held:
                 drained |= self.drain(verdict.site, verdict.reason, "health")
-            elif self.held.get(verdict.site) != verdict.reason:
-                self.held[verdict.site] = verdict.reason
+            elif verdict.site not in self.held:
+                self.held.add(verdict.site)
                 log.warning(
-                    "site %s would be drained (%s) but only %d site(s) would be left "
-                    "(rounds.min_sites = %d)",
+                    "site %s would be drained (%s) but the job would then have fewer than "
+                    "rounds.min_sites = %d sites",
                     verdict.site,
                     verdict.reason,
-                    len(in_job) - 1,
                     self.min_sites,
                 )
         return drained

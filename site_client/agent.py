@@ -110,9 +110,9 @@ class SiteAgent:
         shutil.rmtree(self.cfg.shm_dir, ignore_errors=True)
         self._owner.close()
 
-    def finish_drained(self, timeout_s: float) -> bool:
-        """After a drained site's trainers left: wait until the updates they handed over are
-        pushed (or given up on); False if some were still unsent after ``timeout_s``."""
+    def finish_pushes(self, timeout_s: float) -> bool:
+        """After the trainers left: wait until the updates they handed over are pushed (or
+        given up on); False if some were still unsent after ``timeout_s``."""
         s = self.state
         with s.cond:
             return s.cond.wait_for(lambda: s.error or not s.book.pending, timeout=timeout_s)

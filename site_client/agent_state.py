@@ -104,7 +104,7 @@ class AgentState:
 
     def heard(self, info: pb.RoundInfo, commands) -> None:
         """Take in a reply from the coordinator: the task asked for now, the units cancelled,
-        whether the site is drained (every reply says so while it is)."""
+        whether the site is drained (every reply says so while it is; once heard, it holds)."""
         with self.cond:
             self.take_round(info)
             drain = ""
@@ -120,14 +120,11 @@ class AgentState:
         """Adopt the drain state (called under ``cond``). Drained in shared-data mode, the
         units still in training are handed back: the trainers stop them, another site trains
         them. Updates already handed over are pushed all the same."""
-        if reason == self.drained:
+        if self.drained or not reason:
+            # Latched: replies of the heartbeat and the round watch may arrive out of order,
+            # and trainers told to leave are gone. An undrained site joins again when started.
             return
-        was, self.drained = self.drained, reason
-        if not reason:
-            log.warning("[%s] undrained by the coordinator: the site stays", self.site)
-            return
-        if was:
-            return
+        self.drained = reason
         training = {t.unit for t in self.book.issued if t.unit and not self.book.done(t)}
         for unit in sorted(training):
             self.let_go(*self._hand_back(unit))

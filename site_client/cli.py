@@ -174,8 +174,10 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         print(f"siteclient: error: trainers of site {args.site} failed: {reason}", file=sys.stderr)
         return 1
     if not agent.error and agent.state.drained:
-        return _leave_drained(agent, args.site, args.outage_timeout)
+        return _exit_drained(agent, args.site, args.outage_timeout)
     error = agent.error
+    if not error and not agent.finish_pushes(args.outage_timeout):
+        error = f"the trainers left with updates unsent after {args.outage_timeout:g}s"
     agent.stop(leave=True)
     if error:
         print(f"siteclient: error: {error}", file=sys.stderr)
@@ -183,11 +185,11 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
     return 0
 
 
-def _leave_drained(agent, site: str, timeout_s: float) -> int:
+def _exit_drained(agent, site: str, timeout_s: float) -> int:
     """The trainers left because the coordinator drained the site: push what they handed
     over, then leave the job (exit 0: a drain is an operator's decision, not a failure)."""
     reason = agent.state.drained
-    pushed = agent.finish_drained(timeout_s)
+    pushed = agent.finish_pushes(timeout_s)
     error = agent.error
     agent.stop(leave=True, reason=f"drained: {reason}")
     if error or not pushed:

@@ -174,12 +174,11 @@ class SiteProber:
         if not self.due(round_number):
             return None
         self.probed = round_number
+        # "nccl", or "cpu:gloo,cuda:nccl" for a group with a backend per device type.
         backend = dist.get_backend() if self.world_size > 1 else "gloo"
-        collective = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else (torch.device("cpu"))
-        )
+        collective = torch.device("cpu")
+        if "nccl" in backend:
+            collective = torch.device("cuda", torch.cuda.current_device())
         result = run_probe(
             self.cfg,
             round_number,

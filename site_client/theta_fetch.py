@@ -171,11 +171,8 @@ class ThetaFetcher:
                 )
                 if offset:
                     raise ChunkError("the coordinator moved to a new payload; restarting")
-            delta = (
-                f" (delta from v{header.from_version})" if header.HasField("from_version") else ""
-            )
             # A resumed stream starts at what arrived before the break, not at 0.
-            progress.start(f"fetch theta v{header.version}{delta}", manifest.total_bytes, offset)
+            progress.start(_fetch_label(header), manifest.total_bytes, offset)
             for frame in frames:
                 chunk_offset, data = parse_chunk(frame)
                 st["asm"].add(chunk_offset, data)
@@ -191,3 +188,8 @@ class ThetaFetcher:
         finally:
             progress.finish(complete)
         return st["manifest"], st["sink"], st["header"]
+
+
+def _fetch_label(header: pb.FetchHeader) -> str:
+    delta = f" (delta from v{header.from_version})" if header.HasField("from_version") else ""
+    return f"fetch theta v{header.version}{delta}"

@@ -43,6 +43,7 @@ from pathlib import Path
 from site_client.agent_state import AgentConfig, AgentState
 from site_client.local_ipc import Handler
 from site_client.tasks import Task, task_of
+from wire.health import Probe
 from wire.proto import isthmus_pb2 as pb
 
 log = logging.getLogger("isthmus.site")
@@ -155,28 +156,45 @@ class TrainerChannel:
         return bool(s.drained) and not finished and not s.owes_work()
 
     def health(self, req: dict) -> dict:
-        """The trainers' newest probe (``site_client.health_probe``): sent in heartbeats."""
-        with self.state.cond:
-            seq = self.state.health.seq + 1 if self.state.health is not None else 1
-            self.state.health = pb.HealthReport(
+        """The trainers' newest probe (``site_client.health_probe``): sent in heartbeats. One
+        the coordinator would refuse is logged and dropped: a bad reading must not cost the
+        site its heartbeats."""
+        try:
+            probe = Probe(
                 round=int(req["round"]),
                 matmul_gflops=float(req["matmul_gflops"]),
                 allreduce_gbps=float(req["allreduce_gbps"]),
                 world_size=int(req["world_size"]),
-                device=str(req["device"])[:128],
-                gpu_errors=[str(e)[:256] for e in req.get("gpu_errors", [])][:16],
+                device=str(req["device"]),
+                gpu_errors=tuple(str(e) for e in req.get("gpu_errors", [])),
+            )
+            problem = probe.problem()
+        except (KeyError, TypeError, ValueError) as exc:
+            problem = f"health: malformed report ({exc})"
+        if problem:
+            log.warning("[%s] health probe dropped: %s", self.cfg.site, problem)
+            return {}
+        with self.state.cond:
+            seq = self.state.health.seq + 1 if self.state.health is not None else 1
+            self.state.health = pb.HealthReport(
+                round=probe.round,
+                matmul_gflops=probe.matmul_gflops,
+                allreduce_gbps=probe.allreduce_gbps,
+                world_size=probe.world_size,
+                device=probe.device,
+                gpu_errors=list(probe.gpu_errors),
                 seq=seq,
             )
         log.info(
-            "[%s] health probe before round %s: matmul %.3g GFLOP/s, all-reduce %.3g GB/s "
-            "over %s rank(s) on %s%s",
+            "[%s] health probe before round %d: matmul %.3g GFLOP/s, all-reduce %.3g GB/s "
+            "over %d rank(s) on %s%s",
             self.cfg.site,
-            req["round"],
-            float(req["matmul_gflops"]),
-            float(req["allreduce_gbps"]),
-            req["world_size"],
-            req["device"],
-            f"; GPU errors: {'; '.join(req['gpu_errors'])}" if req.get("gpu_errors") else "",
+            probe.round,
+            probe.matmul_gflops,
+            probe.allreduce_gbps,
+            probe.world_size,
+            probe.device,
+            f"; GPU errors: {'; '.join(probe.gpu_errors)}" if probe.gpu_errors else "",
         )
         return {}
 

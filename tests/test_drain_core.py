@@ -5,12 +5,14 @@ the others drains a site automatically (held back where min_sites would not be m
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 
 import pytest
 from core_helpers import Clock, delta_like, heartbeat_all, new_core, push
 
+from coordinator import site_control
 from coordinator.events import read_events
 from coordinator.records import Refused
 from wire.health import Probe
@@ -185,10 +187,65 @@ def test_no_automatic_drain_below_min_sites_with_two_peers_or_when_off(tmp_path)
     two.close()
     clock = Clock()
     off, tokens = _start(tmp_path / "off", clock)  # min_fraction defaults to 0: never
-    for site, gflops in (("site-a", 100.0), ("site-b", 90.0), ("site-c", 1.0)):
-        off.heartbeat(site, tokens[site], None, _probe(gflops))
+    errors = ["GPU 0: 3 uncorrected ECC errors"]
+    for site, probe in (
+        ("site-a", _probe(100.0)),
+        ("site-b", _probe(90.0, errors=errors)),  # drained for its errors (on by default)
+        ("site-c", _probe(1.0)),
+    ):
+        off.heartbeat(site, tokens[site], None, probe)
     assert off.drain_reason("site-c") == ""
-    off.heartbeat(
-        "site-c", tokens["site-c"], None, _probe(1.0, 2, ["GPU 0: 3 uncorrected ECC errors"])
-    )
-    assert off.drain_reason("site-c").startswith("GPU errors: GPU 0: 3 uncorrected")
+    assert off.drain_reason("site-b").startswith("GPU errors: GPU 0: 3 uncorrected")
+
+
+def test_a_drain_the_disk_refused_is_written_by_the_retry(tmp_path, monkeypatch):
+    clock = Clock()
+    core, _ = _start(tmp_path, clock)
+    real = site_control.write_atomic
+    calls = []
+
+    def full_once(path, data):
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(site_control, "write_atomic", full_once)
+    with pytest.raises(Refused, match="could not be written.*would not survive a restart"):
+        core.set_drain("site-b", True, "disk")
+    assert not (core.cfg.state_dir / "drained.json").exists()
+    changed, message, _ = core.set_drain("site-b", True, "disk")
+    assert not changed and message == "site site-b was already drained"
+    saved = json.loads((core.cfg.state_dir / "drained.json").read_text())
+    assert list(saved["sites"]) == ["site-b"]
+
+
+def test_after_a_restart_the_round_does_not_wait_for_a_drained_participant(tmp_path):
+    clock = Clock()
+    core, tokens = _start(tmp_path, clock)
+    core.set_drain("site-c", True, "leaving")
+    for site in ("site-a", "site-b"):
+        push(core, site, tokens[site], 0, delta_like(core, 1.0))
+    core.close()
+    clock = Clock(100.0)
+    again = new_core(tmp_path, clock, rounds={"min_sites": 1})
+    assert again.round.number == 0 and "site-c" not in again.members.live(clock.now)
+    tokens = {s: again.join(s)[0].token for s in ("site-a", "site-b")}
+    heartbeat_all(again, clock, tokens, 2.0)
+    assert again.round.number == 1, again.waiting_reason()
+    with pytest.raises(Refused, match="drained"):
+        again.join("site-c")
+    again.close()
+
+
+def test_one_probe_per_site_per_round_and_bad_reasons_refused(tmp_path):
+    clock = Clock()
+    core, tokens = _start(tmp_path, clock, health={"min_fraction": 0.5})
+    core.heartbeat("site-a", tokens["site-a"], None, _probe(100.0, 1))
+    core.heartbeat("site-a", tokens["site-a"], None, _probe(1.0, 2))  # same round: not taken
+    assert core.members.sites["site-a"].health.seq == 1
+    assert len(_events(core, "health")) == 1
+    for reason in ("x\n2026 ERROR forged", "\x1b[31mred", "r" * 201):
+        with pytest.raises(Refused, match="printable text of at most 200"):
+            core.set_drain("site-b", True, reason)
+    assert core.drain_reason("site-b") == ""

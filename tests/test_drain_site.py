@@ -45,13 +45,27 @@ def test_federated_the_owed_task_is_trained_then_the_trainers_leave(tmp_path):
     assert list(state.book.pending) == [(1, "")], "the handed-over update is still to push"
 
 
-def test_a_drained_site_outside_the_round_leaves_at_once_and_undrain_clears_it(tmp_path):
+def test_a_drained_site_outside_the_round_leaves_at_once_and_stays_drained(tmp_path):
     state, channel = _channel(tmp_path)
     info = pb.RoundInfo(round=2, version=2, participant=False)
     _drain(state, info)
     assert channel.wait_round({"timeout": 0.05})["drained"]
-    _drain(state, info, reason="")  # a reply without the command: undrained
-    assert state.drained == "" and channel.wait_round({"timeout": 0.05}) == {"ready": False}
+    # A reply without the command (an older heartbeat's, or an undrain while the site leaves)
+    # does not call the trainers back: a drained agent leaves; started again, it re-joins.
+    _drain(state, info, reason="")
+    assert state.drained and channel.wait_round({"timeout": 0.05})["drained"]
+
+
+def test_a_bad_probe_from_the_trainers_is_dropped_not_sent(tmp_path):
+    state, channel = _channel(tmp_path)
+    good = {"round": 0, "matmul_gflops": 1.0, "allreduce_gbps": 0.0, "world_size": 1}
+    for bad in (
+        {**good, "matmul_gflops": float("nan"), "device": "cpu"},
+        {**good, "device": "cpu\x1b[2J"},
+        {**good},  # no device
+    ):
+        assert channel.health(bad) == {}
+    assert state.health is None
 
 
 def test_the_final_theta_still_goes_to_a_drained_site(tmp_path):

@@ -90,6 +90,8 @@ def test_gpu_errors_drain_and_all_reduce_compares_multi_rank_sites_only():
         {"device": "x" * 129},
         {"gpu_errors": ("e",) * 17},
         {"gpu_errors": ("e" * 257,)},
+        {"device": "cpu\n2026-12-01 ERROR forged line"},
+        {"gpu_errors": ("\x1b[2J",)},
     ],
 )
 def test_an_unreadable_probe_names_its_problem(bad):
@@ -98,10 +100,20 @@ def test_an_unreadable_probe_names_its_problem(bad):
     assert Probe(**fields, device="cpu").problem() is None
 
 
-def test_ecc_counts_from_nvidia_smi_output():
+def test_ecc_counts_from_nvidia_smi_output(monkeypatch):
     out = "0, 0\n1, 3\n2, [N/A]\nnot a line\n"
     assert ecc_errors(out) == ("GPU 1: 3 uncorrected ECC errors",)
-    assert gpu_errors(run=lambda cmd: out) == ()  # no CUDA on this machine: nothing asked
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_errors(run=lambda cmd: out) == ()  # no GPU: nothing asked
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    asked = []
+    assert gpu_errors(run=lambda cmd: asked.append(cmd) or out) == ecc_errors(out)
+    assert asked[0][0] == "nvidia-smi" and "ecc.errors.uncorrected" in asked[0][1]
+
+    def fails(cmd):
+        raise OSError("driver not loaded")
+
+    assert gpu_errors(run=fails) == ()
 
 
 def test_the_probe_measures_this_machine_and_the_fault_slows_it():

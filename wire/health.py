@@ -20,7 +20,9 @@ noisy, so the fraction that means "broken" is the operator's to choose.
 
 The comparison needs at least ``MIN_PEERS`` sites reporting the same measure: with two, "far
 below the others" has one other to go by, and one site reporting an inflated figure would
-drain an honest one. A drain that would leave fewer than ``rounds.min_sites`` sites in the job
+drain an honest one. A figure is the reporting site's word: one false report moves the median
+by at most one place, so it can only get an honest site drained that is already below
+``min_fraction`` of another honest site's figure (the next one up). A drain that would leave fewer than ``rounds.min_sites`` sites in the job
 is held back (and said so). Everything here is a pure function of the reports and the config:
 both sides read the table from the same job config.
 """
@@ -97,6 +99,10 @@ class Probe:
             return "health: device over 128 characters or more than 16 gpu_errors"
         if any(len(e) > 256 for e in self.gpu_errors):
             return "health.gpu_errors: an entry over 256 characters"
+        # Shown in logs and on operators' terminals: no control characters (forged log
+        # lines, escape sequences).
+        if not all(text.isprintable() for text in (self.device, *self.gpu_errors)):
+            return "health: device and gpu_errors must be printable text"
         return None
 
 
