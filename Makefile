@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e '.[dev,examples,flower]'
+	$(BIN)/python -m pip install -q -e '.[dev,examples,flower,s3]'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -90,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--state-dir", required=True, metavar="DIR", help="the job's state folder")
     export.add_argument("--round", type=int, metavar="N", help="the checkpoint (default: newest)")
     export.add_argument("--out", required=True, metavar="FILE", help="NAME.safetensors to write")
+    export.add_argument(
+        "--storage-url",
+        default="",
+        metavar="s3://BUCKET/PREFIX",
+        help="read the checkpoints from this object store (the job's [storage] url; endpoint "
+        "and credentials from the AWS variables) instead of the state folder",
+    )
     add_local_parser(sub)
     add_certs_parser(sub)
     add_history_parser(sub)
@@ -99,10 +106,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def _export(args) -> int:
     from coordinator.export import export_model
+    from coordinator.storage import StorageConfig, check_url, open_store
     from coordinator.store import StoreError
 
+    if problem := check_url(args.storage_url):
+        raise ConfigError(f"--storage-url {args.storage_url}: {problem}")
     try:
-        done = export_model(Path(args.state_dir), Path(args.out), args.round)
+        store = None
+        if args.storage_url:
+            store = open_store(Path(args.state_dir), StorageConfig(args.storage_url), True)
+        done = export_model(Path(args.state_dir), Path(args.out), args.round, store)
     except StoreError as exc:
         raise StartError(str(exc)) from exc
     print(
@@ -114,10 +127,12 @@ def _export(args) -> int:
 
 def _serve(args) -> int:
     from coordinator.config import load_config
+    from coordinator.storage import check_storage
 
     if args.listen and (problem := check_listen(args.listen)):
         raise ConfigError(f"--listen {args.listen}: {problem}")
     cfg = load_config(args.config, args.set)
+    check_storage(cfg.storage)  # credentials and endpoint, before the state folder is touched
     bundle = bundle_from_flags(args)
     page = _page_access(args, bundle)  # refused before the state folder is touched
     from coordinator.model_source import FactoryImportError, import_hint

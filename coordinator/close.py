@@ -34,6 +34,7 @@ from coordinator.round_driver import CloseOrder
 from coordinator.rounds import next_round
 from coordinator.spool import UpdateSpool
 from coordinator.state import CoordinatorState
+from coordinator.storage import checkpoint_bytes
 from coordinator.store import Checkpoint
 from coordinator.streaming import RoundTensors
 from coordinator.uploads import UploadTable
@@ -241,7 +242,7 @@ class ClosePipeline:
 
         def written(seconds: float, folder: Path) -> None:
             self.p.spool.drop_rounds_before(r + 1)
-            size = sum(f.stat().st_size for f in folder.iterdir())
+            size = checkpoint_bytes(folder)
             self.p.sink.post(
                 "checkpoint_written", round=r + 1, seconds=round(seconds, 4), bytes=size
             )

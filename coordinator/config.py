@@ -10,7 +10,8 @@ written once (read by ``wire.config_table.load_table``): ``[model]`` in
 ``coordinator.rounds``, ``[timeouts]`` in ``coordinator.failure_detector``, ``[speculation]`` in
 ``coordinator.speculation``, ``[compression]`` in ``wire.codecs.rules``, ``[events]`` in
 ``coordinator.event_history``, ``[evaluation]`` in ``coordinator.evaluation``,
-``[streaming]`` in ``wire.fragments`` and ``[health]`` in ``wire.health``. The rest are here,
+``[streaming]`` in ``wire.fragments``, ``[health]`` in ``wire.health`` and ``[storage]`` in
+``coordinator.storage``. The rest are here,
 with the rules that span tables.
 
 With ``[streaming]`` (P fragments) each coordinator round syncs one fragment and covers
@@ -74,6 +75,9 @@ Example::
     [health]                 # optional: site probes at join and every N rounds
     every_rounds = 10
     min_fraction = 0.25      # drain a site below 0.25 x the median (0, the default: never)
+
+    [storage]                # optional: checkpoints in S3-compatible object storage
+    url = "s3://bucket/prefix"   # "" (the default): the local state folder
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ from coordinator.model_source import ModelConfig
 from coordinator.overrides import apply_overrides
 from coordinator.rounds import RoundsConfig
 from coordinator.speculation import SpeculationOptions
+from coordinator.storage import StorageConfig
 from strategies.robust import AggregationConfig
 from wire.codecs.rules import CodecConfigError, CompressionConfig, compression_tables
 from wire.config_table import (
@@ -121,6 +126,7 @@ __all__ = [
     "RoundsConfig",
     "ServerConfig",
     "StrategyConfig",
+    "StorageConfig",
     "StreamingConfig",
     "TimeoutsConfig",
     "load_config",
@@ -142,6 +148,7 @@ SECTIONS = (
     "evaluation",
     "streaming",
     "health",
+    "storage",
 )
 DATA_MODES = ("federated", "shared")
 
@@ -216,6 +223,8 @@ class JobConfig:
     # The ``[rounds]`` table as written: ``rounds`` itself unless ``[streaming]`` is set.
     outer_rounds: RoundsConfig | None = None
     health: HealthConfig = field(default_factory=HealthConfig)
+    # Where checkpoints live: the local state folder unless ``url`` names an object store.
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     @property
     def outer_inner_steps(self) -> int:
@@ -279,6 +288,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         streaming,
         rounds if streaming is not None else None,
         health_from_job(data),
+        load_table(StorageConfig, data.get("storage", {}), "storage"),
     )
 
 

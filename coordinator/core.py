@@ -45,7 +45,7 @@ from coordinator.round_driver import RoundDriver
 from coordinator.site_control import SiteControl
 from coordinator.spool import UpdateSpool
 from coordinator.status import StatusSnapshot, snapshot_of
-from coordinator.store import CheckpointStore
+from coordinator.storage import open_store
 from coordinator.streaming import RoundTensors
 from coordinator.uploads import Upload, UploadTable
 from strategies import RobustAggregator, load_strategy
@@ -64,7 +64,7 @@ class CoordinatorCore:
             load_hook(cfg.evaluation.fn)
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
-        self.store = CheckpointStore(cfg.state_dir)
+        self.store = open_store(cfg.state_dir, cfg.storage)
         self.spool = UpdateSpool(cfg.state_dir / "spool")
         self.uploads = UploadTable(self.spool)
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)

@@ -9,6 +9,9 @@ state-dict name; the job, round, theta hash and ``[model]`` table in its metadat
 The coordinator writes the ``[model]`` table into its state folder when it starts
 (``model.json``), so that ``coordinator export --state-dir DIR`` needs nothing else, and writes
 the final model to ``DIR/final/model.safetensors`` once the last round's checkpoint is on disk.
+With ``[storage] url = "s3://..."`` the checkpoints are in the object store: ``coordinator
+export --state-dir DIR --storage-url s3://...`` reads them there (``store``), and the
+``[model]`` table still from ``DIR/model.json`` (a missing one leaves the card's table empty).
 """
 
 from __future__ import annotations
@@ -83,8 +86,11 @@ def check_out(out: Path) -> str | None:
     return None
 
 
-def export_model(state_dir: Path, out: Path, round_number: int | None = None) -> Exported:
-    """Write theta of the checkpoint of ``round_number`` (default: the newest) to ``out``.
+def export_model(
+    state_dir: Path, out: Path, round_number: int | None = None, store=None
+) -> Exported:
+    """Write theta of the checkpoint of ``round_number`` (default: the newest) to ``out``;
+    from ``store`` if given (an object store), else from the state folder's checkpoints.
 
     Raises
     ------
@@ -95,10 +101,11 @@ def export_model(state_dir: Path, out: Path, round_number: int | None = None) ->
     problem = check_out(out)
     if problem:
         raise StoreError(problem)
-    store = CheckpointStore(state_dir, read_only=True)
+    if store is None:
+        store = CheckpointStore(state_dir, read_only=True)
     ckpt = store.load_round(round_number) if round_number is not None else store.load_latest()
     if ckpt is None:
-        raise StoreError(f"{state_dir} holds no checkpoints yet")
+        raise StoreError(f"{getattr(store, 'url', state_dir)} holds no checkpoints yet")
     saved = _read_json(Path(state_dir) / MODEL_CARD)
     card = ModelCard(
         job=str(ckpt.meta.get("job", saved.get("job", ""))),

@@ -156,7 +156,7 @@ class CoordinatorServer:
         try:
             self.core.writer.wait()
             out.parent.mkdir(exist_ok=True)
-            self.final = export_model(self.cfg.state_dir, out, rounds)
+            self.final = export_model(self.cfg.state_dir, out, rounds, self.core.store)
         except (StoreError, OSError) as exc:
             log.error("the final model was not written: %s", exc)
             self.exit_code = 3

