@@ -71,6 +71,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_security_flags(serve, "the coordinator")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    _add_status_parser(sub)
+    _add_export_parser(sub)
+    add_local_parser(sub)
+    add_certs_parser(sub)
+    add_history_parser(sub)
+    add_drain_parsers(sub)
+    return p
+
+
+def _add_status_parser(sub) -> None:
     status = sub.add_parser("status", help="print the state of a running job")
     status.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
@@ -84,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
         help="print it again every SECONDS (default 2) until Ctrl-C",
     )
     add_security_flags(status, "an operator")
+
+
+def _add_export_parser(sub) -> None:
     export = sub.add_parser(
         "export", help="write a kept checkpoint's model as a standalone safetensors file"
     )
@@ -97,11 +110,6 @@ def _parser() -> argparse.ArgumentParser:
         help="read the checkpoints from this object store (the job's [storage] url; endpoint "
         "and credentials from the AWS variables) instead of the state folder",
     )
-    add_local_parser(sub)
-    add_certs_parser(sub)
-    add_history_parser(sub)
-    add_drain_parsers(sub)
-    return p
 
 
 def _export(args) -> int:
@@ -137,9 +145,8 @@ def _serve(args) -> int:
     page = _page_access(args, bundle)  # refused before the state folder is touched
     from coordinator.model_source import FactoryImportError, import_hint
     from coordinator.server import CoordinatorServer, ServerTls  # torch import: only for serve
-    from coordinator.store import StoreError, write_atomic
+    from coordinator.store import StoreError
     from strategies import StrategyError
-    from wire.metrics_http import MetricsAddressError, serve_metrics
 
     # Like `python -m`, make the working directory importable, so that model factories and
     # strategy plugins in the user's own project (`mypkg.model:build`) can be named.
@@ -159,21 +166,7 @@ def _serve(args) -> int:
         where = Path(args.config).resolve().parent
         hint = import_hint(exc.module, exc.missing, where, Path.cwd(), exc.key)
         raise StartError(f"{exc}; {hint}") from exc
-    if args.metrics:
-        try:
-            metrics, address = serve_metrics(server.metrics.registry, args.metrics)
-        except (MetricsAddressError, OSError) as exc:
-            server.close()
-            raise StartError(f"--metrics {args.metrics}: {exc}") from exc
-        write_atomic(cfg.state_dir / "metrics_address", f"{address}\n".encode())
-    if page is not None:
-        from coordinator.status_page import start_status_page
-
-        try:
-            start_status_page(server.core, page, bundle, Path(args.crl) if args.crl else None)
-        except OSError as exc:  # in use, or the bundle (ssl.SSLError is one)
-            server.close()
-            raise StartError(f"--status-page {args.status_page}: {exc}") from exc
+    _serve_pages(args, server, cfg, bundle, page)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: server.stop(signum))
     code = server.run()
@@ -186,6 +179,28 @@ def _serve(args) -> int:
     if code == 0 and server.final is not None:
         print(f"job {cfg.name!r} complete; final model: {server.final.path}")
     return code
+
+
+def _serve_pages(args, server, cfg, bundle, page) -> None:
+    """``--metrics`` and ``--status-page`` of a server that is about to run."""
+    from coordinator.store import write_atomic
+    from wire.metrics_http import MetricsAddressError, serve_metrics
+
+    if args.metrics:
+        try:
+            _metrics, address = serve_metrics(server.metrics.registry, args.metrics)
+        except (MetricsAddressError, OSError) as exc:
+            server.close()
+            raise StartError(f"--metrics {args.metrics}: {exc}") from exc
+        write_atomic(cfg.state_dir / "metrics_address", f"{address}\n".encode())
+    if page is not None:
+        from coordinator.status_page import start_status_page
+
+        try:
+            start_status_page(server.core, page, bundle, Path(args.crl) if args.crl else None)
+        except OSError as exc:  # in use, or the bundle (ssl.SSLError is one)
+            server.close()
+            raise StartError(f"--status-page {args.status_page}: {exc}") from exc
 
 
 def _page_access(args, bundle):

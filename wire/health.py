@@ -22,9 +22,10 @@ The comparison needs at least ``MIN_PEERS`` sites reporting the same measure: wi
 below the others" has one other to go by, and one site reporting an inflated figure would
 drain an honest one. A figure is the reporting site's word: one false report moves the median
 by at most one place, so it can only get an honest site drained that is already below
-``min_fraction`` of another honest site's figure (the next one up). A drain that would leave fewer than ``rounds.min_sites`` sites in the job
-is held back (and said so). Everything here is a pure function of the reports and the config:
-both sides read the table from the same job config.
+``min_fraction`` of another honest site's figure (the next one up). A drain that would leave
+fewer than ``rounds.min_sites`` sites in the job is held back (and said so). Everything here is
+a pure function of the reports and the config: both sides read the table from the same job
+config.
 """
 
 from __future__ import annotations
