@@ -2,7 +2,8 @@
 
 ::
 
-    python -m bench.scale [--sites 2,4,8,16] [--sizes 64,256] [--rounds 2] [--keep DIR]
+    python -m bench.scale [--sites 2,4,8,16] [--sizes 64,256] [--rounds 2] [--uploads 8,0,2]
+        [--keep DIR]
 
 For each model size (MiB of float32 parameters: a residual Linear stack) and number of sites, a
 real ``coordinator serve`` runs a DiLoCo job (outer momentum: one more model of state) whose
@@ -10,9 +11,10 @@ sites are lightweight clients in this process speaking the real protocol (join, 
 once, then push a model-sized float32 pseudo-gradient every round, all at once). The
 coordinator's peak RSS (``VmHWM``) above what a process importing it holds is divided by the
 model's float32 size. Plaintext on loopback: TLS changes the CPU cost, not the memory that
-matters here. Last line::
+matters here. ``--uploads`` lists ``server.concurrent_uploads`` settings to run side by side
+(the first is the job default, 8; 0 is no limit). Last line (the first setting unsuffixed)::
 
-    coord_rss_over_model_max=... rss_growth_2_to_16=...
+    coord_rss_over_model_max=... rss_growth_2_to_16=... coord_rss_over_model_max_u0=... ...
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _client_loop(address: str, name: str, rounds: int, payload, errors: list) ->
         client.close()
 
 
-def run(folder: Path, mib: int, sites: int, rounds: int) -> int:
+def run(folder: Path, mib: int, sites: int, rounds: int, uploads: int = 8) -> int:
     import subprocess
     import sys
 
@@ -66,6 +68,9 @@ def run(folder: Path, mib: int, sites: int, rounds: int) -> int:
     )
     text = text.replace("min_sites = 2", f"min_sites = {sites}").replace(
         "max_sites = 2", f"max_sites = {sites}"
+    )
+    text = text.replace(
+        'listen = "127.0.0.1:0"', f'listen = "127.0.0.1:0"\nconcurrent_uploads = {uploads}'
     )
     (folder / "job.toml").write_text(text)
     log = open(folder / "coordinator.log", "w")  # noqa: SIM115 - the child's
@@ -102,28 +107,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sites", default="2,4,8,16")
     p.add_argument("--sizes", default="64,256", help="model sizes in MiB, of 64, 256")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--uploads", default="8", help="server.concurrent_uploads settings")
     p.add_argument("--keep", type=Path, help="keep the runs' folders here")
     args = p.parse_args(argv)
     root = args.keep or Path(tempfile.mkdtemp(prefix="isthmus-scale-"))
     baseline = import_baseline_rss()
     counts = [int(x) for x in args.sites.split(",")]
-    table: dict[int, dict[int, float]] = {}
-    runs = [(int(x), n) for x in args.sizes.split(",") for n in counts]
-    for mib, n in steps(runs, lambda r: f"{r[0]} MiB, {r[1]} sites"):
+    settings = [int(x) for x in args.uploads.split(",")]
+    table: dict[tuple[int, int], dict[int, float]] = {}
+    runs = [(u, int(x), n) for u in settings for x in args.sizes.split(",") for n in counts]
+    for u, mib, n in steps(runs, lambda r: f"concurrent_uploads {r[0]}: {r[1]} MiB, {r[2]} sites"):
         width, depth = WIDTHS[mib]
         model_bytes = depth * (width * width + width) * 4
-        peak = run(root / f"{mib}mib-{n}", mib, n, args.rounds)
-        table.setdefault(mib, {})[n] = (peak - baseline) / model_bytes
+        peak = run(root / f"u{u}-{mib}mib-{n}", mib, n, args.rounds, u)
+        table.setdefault((u, mib), {})[n] = (peak - baseline) / model_bytes
     print(f"\ncoordinator peak RSS above its import baseline ({baseline / 1e6:.0f} MB), over the")
-    print("float32 model size:")
-    print("model     " + "".join(f"{n:>8} sites" for n in counts))
-    for mib, row in table.items():
-        print(f"{mib:>3} MiB   " + "".join(f"{row[n]:>13.2f}x" for n in counts))
-    worst = max(v for row in table.values() for v in row.values())
-    growth = max(row[counts[-1]] / row[counts[0]] for row in table.values())
-    print(
-        f"coord_rss_over_model_max={worst:.2f} rss_growth_{counts[0]}_to_{counts[-1]}={growth:.2f}"
-    )
+    print("float32 model size (server.concurrent_uploads: 0 = no limit):")
+    print("uploads  model     " + "".join(f"{n:>8} sites" for n in counts))
+    for (u, mib), row in table.items():
+        print(f"{u:>7}  {mib:>3} MiB   " + "".join(f"{row[n]:>13.2f}x" for n in counts))
+    figures = []
+    for u in settings:
+        rows = [row for (uu, _), row in table.items() if uu == u]
+        worst = max(v for row in rows for v in row.values())
+        growth = max(row[counts[-1]] / row[counts[0]] for row in rows)
+        tag = "" if u == settings[0] else f"_u{u}"
+        figures += [
+            f"coord_rss_over_model_max{tag}={worst:.2f}",
+            f"rss_growth_{counts[0]}_to_{counts[-1]}{tag}={growth:.2f}",
+        ]
+    print(" ".join(figures))
     return 0
 
 

@@ -182,6 +182,9 @@ class ServerConfig:
     # stream can upload per second. 0: gRPC sizes it from its bandwidth-delay estimate, which
     # on a busy coordinator grows to tens of MiB per stream.
     receive_window_bytes: int = setting(8 << 20, check=non_negative)
+    # Uploads received at once (``coordinator.receive_slots``): the others wait their turn, in
+    # fold order, so their windows are not held in memory. 0: no limit.
+    concurrent_uploads: int = setting(8, check=non_negative)
     # How long a call's request message may take to arrive once the call is open, and how
     # long a stream may then sit between messages (a push waits, before its last chunk, for
     # the site's checkpoint). A call past either is cancelled: it frees its worker.

@@ -33,6 +33,7 @@ from coordinator.evaluator import Evaluator, Reports
 from coordinator.events import EventLog, EventSink
 from coordinator.intake import UpdateIntake
 from coordinator.membership import Membership
+from coordinator.receive_slots import ReceiveSlots
 from coordinator.records import (
     FatalError,
     Published,
@@ -67,6 +68,7 @@ class CoordinatorCore:
         self.store = open_store(cfg.state_dir, cfg.storage)
         self.spool = UpdateSpool(cfg.state_dir / "spool")
         self.uploads = UploadTable(self.spool)
+        self.slots = ReceiveSlots(cfg.server.concurrent_uploads)
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
         streaming.check_start(cfg.streaming, self.strategy)  # before any state is touched
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)
@@ -419,6 +421,25 @@ class CoordinatorCore:
 
     def release_upload(self, upload: Upload) -> None:
         self.uploads.release(upload)
+
+    def reserve_slot(self, upload: Upload) -> bool:
+        """Wait for a receive slot for ``upload`` (``coordinator.receive_slots``); True once
+        it may send. Waiting uploads are granted in the round's fold order."""
+        with self.lock:
+            slots = self.state.slots
+            slot = self.data.slot_of(upload.admission.key)
+            order = slots.index(slot) if slot in slots else len(slots)
+        return self.slots.reserve((upload.site, upload.upload_id), order)
+
+    @contextlib.contextmanager
+    def receiving(self, upload: Upload):
+        """While the bytes of ``upload`` are received: it holds a slot (granted or not)."""
+        key = (upload.site, upload.upload_id)
+        self.slots.enter(key)
+        try:
+            yield
+        finally:
+            self.slots.leave(key)
 
     def finish_upload(self, upload: Upload, token: int) -> bool:
         """Count a fully received upload; returns False if bytes are still missing."""

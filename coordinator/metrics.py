@@ -28,7 +28,7 @@ ROUND_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, float
 class CoordinatorMetrics:
     """Counters fed by the servicer and the event stream; gauges read from ``snapshot``."""
 
-    def __init__(self, snapshot: Callable[[], StatusSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], StatusSnapshot], slots=None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.bytes_in = Counter(
@@ -80,6 +80,8 @@ class CoordinatorMetrics:
         self._opened: float | None = None
         self.events = Counter(PREFIX + "events", "Events logged, by kind", ["kind"], registry=r)
         r.register(SnapshotCollector(snapshot))
+        if slots is not None:  # coordinator.receive_slots
+            r.register(SlotsCollector(slots))
 
     # ---- fed as things happen -----------------------------------------------------------------
 
@@ -121,10 +123,30 @@ class CoordinatorMetrics:
             self.phases.labels(name).set(seconds)
 
 
+class SlotsCollector:
+    """How many uploads are received at once, and how many wait for a receive slot."""
+
+    def __init__(self, slots) -> None:
+        self.slots = slots
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        receiving, waiting = self.slots.counts()
+        for name, doc, value in (
+            ("uploads_receiving", "Upload streams being received now", receiving),
+            ("uploads_waiting", "Uploads waiting for a receive slot", waiting),
+            ("uploads_receiving_peak", "The most upload streams received at once", self.slots.peak),
+            ("receive_slots", "server.concurrent_uploads (0: no limit)", self.slots.capacity),
+        ):
+            yield GaugeMetricFamily(PREFIX + name, doc, value=float(value))
+
+
 class SnapshotCollector:
     """Gauges of the job as it is now, from one status snapshot per scrape."""
 
-    def __init__(self, snapshot: Callable[[], StatusSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], StatusSnapshot], slots=None) -> None:
         self.snapshot = snapshot
 
     def describe(self):

@@ -296,12 +296,29 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             )
         )
         try:
-            for offset, data in chunks:
-                self.core.upload_chunk(upload, offset, data, h.lease.token)
-                self.metrics.received(upload.site, len(data))
-            return self._finish(upload, h.lease.token, context)
+            if h.reserve:
+                return self._reserve(upload, h.lease.token, chunks, context)
+            with self.core.receiving(upload):
+                for offset, data in chunks:
+                    self.core.upload_chunk(upload, offset, data, h.lease.token)
+                    self.metrics.received(upload.site, len(data))
+                return self._finish(upload, h.lease.token, context)
         finally:
             self.core.release_upload(upload)
+
+    def _reserve(self, upload, token: int, chunks, context) -> pb.PushReply:
+        """A header-only stream asking for a receive slot; one whose bytes all arrived
+        already is counted as a plain probe would be."""
+        if next(iter(chunks), None) is not None:
+            raise Refused("invalid", "a reserve stream carries its header only, no chunks")
+        if upload.complete:
+            return self._finish(upload, token, context)
+        granted = self.core.reserve_slot(upload)
+        return pb.PushReply(
+            acked_offset=upload.received,
+            granted=granted,
+            message="send now" if granted else "every receive slot is busy; ask again",
+        )
 
     def _finish(self, upload, token: int, context) -> pb.PushReply:
         if not context.is_active():

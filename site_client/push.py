@@ -27,7 +27,7 @@ import grpc
 from site_client.errors import CoordinatorError, PushAborted
 from site_client.transfer_progress import TransferProgress
 from site_client.update_payload import UpdatePayload
-from wire.bulk import chunk_frame
+from wire.bulk import RESERVE_WAIT_S, chunk_frame
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
 
@@ -67,7 +67,7 @@ class UpdatePush:
         self.held_s = 0.0  # how long the last chunk waited for ``hold``
         self.progress = progress or TransferProgress()
 
-    def header(self) -> bytes:
+    def header(self, reserve: bool = False) -> bytes:
         return pb.PushMessage(
             header=pb.PushHeader(
                 lease=self.client.lease,
@@ -77,6 +77,7 @@ class UpdatePush:
                 manifest=self.payload.manifest.to_proto(),
                 weight=self.weight,
                 base_version=self.base,
+                reserve=reserve,
             )
         ).SerializeToString()
 
@@ -110,11 +111,10 @@ class UpdatePush:
         c = self.client
         if self.abort():
             raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
-        if self.tries:
-            probe = c.bulk.Push(iter([self.header()]), timeout=c.rpc_timeout_s)
-            if probe.complete:  # every byte had arrived: the header alone completed it
-                return probe
-            self.acked = probe.acked_offset
+        granted = self._reserve()
+        if granted.complete:  # every byte had arrived: the header alone completed it
+            return granted
+        self.acked = granted.acked_offset
         self.tries += 1
         reply = c.bulk.Push(self.frames(self.acked), timeout=c.transfer_timeout_s)
         if not reply.complete:
@@ -123,6 +123,19 @@ class UpdatePush:
             self.acked = reply.acked_offset
             raise ChunkError(f"push incomplete: {reply.message}")
         return reply
+
+    def _reserve(self) -> pb.PushReply:
+        """Ask for a receive slot (``coordinator.receive_slots``) until granted; the reply
+        also says how much of the payload the coordinator holds already."""
+        c = self.client
+        while True:
+            reply = c.bulk.Push(
+                iter([self.header(reserve=True)]), timeout=c.rpc_timeout_s + RESERVE_WAIT_S
+            )
+            if reply.complete or reply.granted:
+                return reply
+            if self.abort():
+                raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
 
     def run(self) -> pb.PushReply:
         complete = False

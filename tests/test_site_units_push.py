@@ -35,11 +35,16 @@ class FakeStub:
 
     def __init__(self, refusal: Refusal | None = None, on_chunk=None) -> None:
         self.refusal, self.on_chunk = refusal, on_chunk
-        self.chunks = 0
+        self.chunks = self.reservations = 0
 
     def Push(self, frames, timeout=None) -> pb.PushReply:  # noqa: N802 - gRPC's name
         received = 0
-        assert pb.PushMessage.FromString(next(frames)).WhichOneof("kind") == "header"
+        first = pb.PushMessage.FromString(next(frames))
+        assert first.WhichOneof("kind") == "header"
+        if first.header.reserve:  # asking for a receive slot: granted at once
+            assert next(frames, None) is None, "a reservation carries no chunks"
+            self.reservations += 1
+            return pb.PushReply(granted=True)
         for frame in frames:
             _, data = parse_chunk(frame)
             self.chunks += 1
@@ -108,6 +113,7 @@ def test_abort_ends_the_stream_early_and_raises(client) -> None:
     with pytest.raises(PushAborted):
         client.push(0, DELTA, data_unit="u1", abort=lambda: withdrawn["now"])
     assert stub.chunks == 2  # no chunk sent once withdrawn, and no retry
+    assert stub.reservations == 1  # the data stream was opened once its slot was granted
     # Not withdrawn: the whole update goes.
     client.bulk = stub = FakeStub()
     assert client.push(0, DELTA, data_unit="u1", abort=lambda: False).complete

@@ -235,7 +235,7 @@ class FetchMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[FetchHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("lease", "round", "upload_id", "data_unit", "manifest", "weight", "base_version")
+    __slots__ = ("lease", "round", "upload_id", "data_unit", "manifest", "weight", "base_version", "reserve")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class PushHeader(_message.Message):
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     round: int
     upload_id: str
@@ -250,7 +251,8 @@ class PushHeader(_message.Message):
     manifest: Manifest
     weight: float
     base_version: int
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[int] = ..., upload_id: _Optional[str] = ..., data_unit: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., weight: _Optional[float] = ..., base_version: _Optional[int] = ...) -> None: ...
+    reserve: bool
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[int] = ..., upload_id: _Optional[str] = ..., data_unit: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., weight: _Optional[float] = ..., base_version: _Optional[int] = ..., reserve: _Optional[bool] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -261,14 +263,16 @@ class PushMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("complete", "acked_offset", "message")
+    __slots__ = ("complete", "acked_offset", "message", "granted")
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     ACKED_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
     complete: bool
     acked_offset: int
     message: str
-    def __init__(self, complete: _Optional[bool] = ..., acked_offset: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    granted: bool
+    def __init__(self, complete: _Optional[bool] = ..., acked_offset: _Optional[int] = ..., message: _Optional[str] = ..., granted: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("lease", "reason")
