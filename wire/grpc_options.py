@@ -28,6 +28,9 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 0),
+        # A connection of its own: clients in one process (tests, benchmarks) would otherwise
+        # share one, and without TLS a connection is all that tells callers apart.
+        ("grpc.use_local_subchannel_pool", 1),
         # Our own backoff (wire/backoff.py) paces retries; grpc's reconnect backoff (default
         # up to 120 s) would otherwise keep a channel down long after a WAN cut has healed.
         ("grpc.initial_reconnect_backoff_ms", 500),
