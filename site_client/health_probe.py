@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from wire.health import HealthConfig
 
-CPU_MATMUL, GPU_MATMUL = 512, 4096
-CPU_ALLREDUCE_MIB, GPU_ALLREDUCE_MIB = 4, 64
+# A CPU probe stays small: its trainers start often in tests, and a CPU's rate shows early.
+CPU_MATMUL, GPU_MATMUL = 256, 4096
+CPU_ALLREDUCE_MIB, GPU_ALLREDUCE_MIB = 1, 64
 REPEATS = 4
 SMI_QUERY = "index,ecc.errors.uncorrected.volatile.total"
 

@@ -11,8 +11,8 @@ metrics and, with ``min_fraction > 0``, drains a site far below the others::
     every_rounds = 10        # probe again before every 10th round (0: only when trainers start)
     min_fraction = 0.25      # drain a site below 0.25 x the median of the sites (0: never)
     drain_on_gpu_errors = true
-    matmul_size = 0          # n of the n x n matmul timed (0: 4096 on a GPU, 512 on a CPU)
-    allreduce_mib = 0        # MiB all-reduced over the site's ranks (0: 64 on a GPU, 4 on a CPU)
+    matmul_size = 0          # n of the n x n matmul timed (0: 4096 on a GPU, 256 on a CPU)
+    allreduce_mib = 0        # MiB all-reduced over the site's ranks (0: 64 on a GPU, 1 on a CPU)
 
 Defaults: probes on, at the trainers' start only, and no drain for throughput (``min_fraction =
 0``): sites of one job often differ in hardware on purpose, and a probe on a shared host is

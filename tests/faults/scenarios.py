@@ -72,9 +72,8 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(
         "coordinator killed after publishing, before its checkpoint",
-        coord.kill_after_publishing,
+        coord.kill_after_publishing,  # in-process: tests/test_close_replay.py
         JobSpec(ballast_mib=256),
-        slow=False,
     ),
     Scenario(
         "coordinator killed, a spooled update damaged",
@@ -113,9 +112,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("stale token replayed", link.replay_stale_push, slow=False),
     Scenario(
         "streaming: site trainer killed while a fragment is in flight",
-        streaming.kill_trainer_ahead,
+        streaming.kill_trainer_ahead,  # kill -9 restarts: tests/test_streaming_e2e.py
         streaming.SLOW_CLOSE,
-        slow=False,
         faults_env=streaming.TRAINER_FAULT,
     ),
     Scenario(
