@@ -395,6 +395,7 @@ def _run_job(folder: Path, cfg: dict) -> tuple[h.CoordinatorProcess, list]:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # 8 s; in-process broken hooks stay
 def test_a_broken_hook_stops_the_job_naming_it_and_the_job_resumes_once_fixed(tmp_path):
     rounds = {"total": 4, "min_sites": 2, "max_sites": 2}
     _, clean = _run_job(tmp_path / "clean", h.job_config(rounds=rounds))

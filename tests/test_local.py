@@ -81,6 +81,7 @@ def test_a_local_job_ends_with_a_model_the_example_loads(explicit):
         assert {json.loads(x)["site"] for x in lines} == {site}
 
 
+@pytest.mark.slow  # 14 s; the loop form's own unit tests stay
 def test_the_loop_form_trains_the_same_model(explicit, tmp_path):
     """examples/gpt_diloco/train_loop.py (``SiteLoop`` around an ordinary loop) against the
     explicit form: the same table and the same final theta, bit for bit."""
@@ -101,6 +102,7 @@ def test_the_loop_form_trains_the_same_model(explicit, tmp_path):
     assert len(want[1]) == 4, want
 
 
+@pytest.mark.slow  # 14 s; tests/test_streaming_e2e.py checks the rounds bit for bit
 def test_streaming_with_one_fragment_no_delay_is_blocking_diloco(explicit, tmp_path):
     """``[streaming] fragments = 1, delay_steps = 0, merge_alpha = 0`` takes the streaming
     loop (train on after the hand-off, merge before the next round's step 0) and must give

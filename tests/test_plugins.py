@@ -161,6 +161,7 @@ def test_example_plugin_runs_in_a_real_coordinator(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # 13 s; the broken-hook cases stay
 def test_failed_outer_step_then_broken_restarts_leave_the_checkpoint_unchanged(tmp_path):
     plugin = "broken_plugins:Broken"
     coord = h.start_coordinator(

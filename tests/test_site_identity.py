@@ -43,6 +43,7 @@ session.close()
 """
 
 
+@pytest.mark.slow  # 12 s
 def test_the_script_learns_its_site_index_and_count(tmp_path):
     cfg = h.job_config(name="who", rounds={"total": 2, "min_sites": 2, "max_sites": 2})
     coord = h.start_coordinator(tmp_path, cfg)

@@ -163,6 +163,7 @@ def records(tmp: Path, rank: int, restart: int) -> list[list]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.slow  # 12 s; the drain e2e cancels units in training
 def test_cancel_stops_every_rank_then_a_backup_unit_resumes_after_a_crash(tmp_path) -> None:
     (tmp_path / "trainer.py").write_text(TRAINER)
     coordinator = ScriptedCoordinator()

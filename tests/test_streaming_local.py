@@ -20,7 +20,7 @@ except ImportError:
 
 from coordinator.export import read_card
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # 21 s: two real FSDP2 sites
 EXAMPLE = h.REPO / "examples" / "gpt_diloco"
 FRAGMENTS, TAU, H, OUTER_ROUNDS = 2, 1, 4, 2
 
