@@ -85,7 +85,7 @@ def _site_status(core, name: str, now: float) -> pb.SiteStatus:
         suspected=name in members.suspected,
         data_units=units,
         drained=core.control.drain_reason(name),
-        health=_health(rec.health),
+        health=rec.health.to_report() if rec.health is not None else None,
         progress=pb.Progress(
             round=p.get("round", 0),
             inner_step=p.get("inner_step", 0),
@@ -93,20 +93,6 @@ def _site_status(core, name: str, now: float) -> pb.SiteStatus:
             phase=p.get("phase", ""),
             merge_wait_s=p.get("merge_wait_s", 0.0),
         ),
-    )
-
-
-def _health(probe) -> pb.HealthReport | None:
-    if probe is None:
-        return None
-    return pb.HealthReport(
-        round=probe.round,
-        matmul_gflops=probe.matmul_gflops,
-        allreduce_gbps=probe.allreduce_gbps,
-        world_size=probe.world_size,
-        device=probe.device,
-        gpu_errors=list(probe.gpu_errors),
-        seq=probe.seq,
     )
 
 

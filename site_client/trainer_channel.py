@@ -35,6 +35,7 @@ A reply ``{"error": ...}`` means the request was refused (``IpcError`` in the tr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -44,7 +45,6 @@ from site_client.agent_state import AgentConfig, AgentState
 from site_client.local_ipc import Handler
 from site_client.tasks import Task, task_of
 from wire.health import Probe
-from wire.proto import isthmus_pb2 as pb
 
 log = logging.getLogger("isthmus.site")
 
@@ -176,15 +176,7 @@ class TrainerChannel:
             return {}
         with self.state.cond:
             seq = self.state.health.seq + 1 if self.state.health is not None else 1
-            self.state.health = pb.HealthReport(
-                round=probe.round,
-                matmul_gflops=probe.matmul_gflops,
-                allreduce_gbps=probe.allreduce_gbps,
-                world_size=probe.world_size,
-                device=probe.device,
-                gpu_errors=list(probe.gpu_errors),
-                seq=seq,
-            )
+            self.state.health = dataclasses.replace(probe, seq=seq).to_report()
         log.info(
             "[%s] health probe before round %d: matmul %.3g GFLOP/s, all-reduce %.3g GB/s "
             "over %d rank(s) on %s%s",

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wire.config_table import as_table, load_table, non_negative, rule, setting
+from wire.proto import isthmus_pb2 as pb
 
 MIN_PEERS = 3
 MEASURES = (("matmul_gflops", "matmul", "GFLOP/s"), ("allreduce_gbps", "all-reduce", "GB/s"))
@@ -78,7 +79,7 @@ class Probe:
     seq: int = 0
 
     @classmethod
-    def of_report(cls, report) -> Probe:
+    def of_report(cls, report: pb.HealthReport) -> Probe:
         """From a ``HealthReport`` message (checked by ``problem``, not here)."""
         return cls(
             round=report.round,
@@ -88,6 +89,18 @@ class Probe:
             device=report.device,
             gpu_errors=tuple(report.gpu_errors),
             seq=report.seq,
+        )
+
+    def to_report(self) -> pb.HealthReport:
+        """As a ``HealthReport`` message (the inverse of ``of_report``)."""
+        return pb.HealthReport(
+            round=self.round,
+            matmul_gflops=self.matmul_gflops,
+            allreduce_gbps=self.allreduce_gbps,
+            world_size=self.world_size,
+            device=self.device,
+            gpu_errors=list(self.gpu_errors),
+            seq=self.seq,
         )
 
     def problem(self) -> str | None:
