@@ -10,16 +10,17 @@ depends only on the set of updates; the close record keeps the order actually us
 replay after a crash sums the same updates in the same order, bit for bit.
 
 One worker thread does all folding; offering an update never blocks the caller. Memory: the
-accumulator (one float32 model) plus one tensor of scratch. Updates are read back from the spool
-with ``readinto`` rather than mapped, so their pages stay out of the process.
+accumulator (one float32 model, allocated at the first fold) plus one chunk of scratch.
+Updates are read back from the spool with ``readinto`` rather than mapped, so their pages stay
+out of the process.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -81,15 +82,25 @@ def fold_order(slots: Sequence[str], filled: Mapping[str, UpdateKey], tail) -> l
 def start_sum(
     theta: ThetaBuffer, trainable: Sequence[str], worker: ThreadPoolExecutor, slots: Sequence[str]
 ) -> StreamingMean:
-    """A zero sum for a round that opens. When every trainable tensor is float32 the sum lives
-    in a buffer laid out like theta, so that theta_{r+1} can be written over it in place."""
-    if all(theta.tensors[n].dtype == torch.float32 for n in trainable):
-        buffer = ThetaBuffer.allocate(theta.tensors)
-        like = {n: buffer.tensors[n] for n in trainable}
+    """A zero sum for a round that opens, allocated when the first update is folded (not while
+    theta_r may still be in memory, on its way to its file). When every trainable tensor is
+    float32 the sum lives in a buffer laid out like theta, so that theta_{r+1} can be written
+    over it in place. Only theta's layout is kept, never its tensors."""
+    manifest = replace(theta.manifest, sha256=b"\0" * 32)
+    names = list(trainable)
+    if all(theta.tensors[n].dtype == torch.float32 for n in names):
+
+        def zeros():
+            buffer = ThetaBuffer.on(manifest, torch.zeros(manifest.total_bytes, dtype=torch.uint8))
+            return {n: buffer.tensors[n] for n in names}, buffer
+
     else:
-        buffer = None
-        like = {n: torch.zeros(theta.tensors[n].shape, dtype=torch.float32) for n in trainable}
-    running = StreamingMean(like, worker, buffer)
+        shapes = {n: theta.tensors[n].shape for n in names}
+
+        def zeros():
+            return {n: torch.zeros(shape, dtype=torch.float32) for n, shape in shapes.items()}, None
+
+    running = StreamingMean(zeros, worker)
     running.expect(slots)
     return running
 
@@ -99,12 +110,14 @@ class StreamingMean:
 
     def __init__(
         self,
-        like: Mapping[str, torch.Tensor],
+        like: Mapping[str, torch.Tensor] | Callable[[], tuple[dict, ThetaBuffer | None]],
         worker: ThreadPoolExecutor,
-        buffer: ThetaBuffer | None = None,
     ) -> None:
-        self._like = like  # zero float32 targets, e.g. views into the next theta's buffer
-        self.buffer = buffer
+        # The zero float32 targets (e.g. views into the next theta's buffer), or what makes
+        # them when the worker first needs them.
+        self._zeros = like if callable(like) else (lambda: (dict(like), None))
+        self._like: dict[str, torch.Tensor] | None = None
+        self._buffer: ThetaBuffer | None = None
         self._worker = worker
         self._lock = threading.Lock()
         self._slots: list[str] = []
@@ -132,6 +145,16 @@ class StreamingMean:
                 self._filled[slot] = key
         self._worker.submit(self._fold_ready)
 
+    @property
+    def buffer(self) -> ThetaBuffer | None:
+        """The buffer the mean lives in (theta's layout), once ``finish`` returned."""
+        return self._buffer
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        if self._like is None:
+            self._like, self._buffer = self._zeros()
+        return self._like
+
     def order(self) -> list[UpdateKey]:
         """The fold order of everything offered so far."""
         with self._lock:
@@ -156,7 +179,7 @@ class StreamingMean:
     def _fold(self, key: UpdateKey) -> None:
         update, alpha = self._updates[key]
         try:
-            fold_into(self._like, update, alpha)
+            fold_into(self._targets(), update, alpha)
         except BaseException as exc:  # a spool file that no longer decodes: the close fails
             self._error = exc
             return
@@ -177,6 +200,7 @@ class StreamingMean:
         total = sum(weights.values())
         if total <= 0:
             raise ValueError("no update weight to average")
-        for t in self._like.values():
+        like = self._targets()
+        for t in like.values():
             t.div_(total)
-        return Folded(dict(self._like), total, weights, tuple(keys))
+        return Folded(dict(like), total, weights, tuple(keys))

@@ -30,10 +30,16 @@ class CheckpointWriter:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._last: Future | None = None
 
-    def submit(self, ckpt: Checkpoint, then: Callable[[float, Path], None]) -> Future:
-        """Write ``ckpt``; once it is durable, run ``then(seconds, folder)`` (same thread)."""
+    def submit(
+        self, ckpt: Checkpoint | Callable[[], Checkpoint], then: Callable[[float, Path], None]
+    ) -> Future:
+        """Write ``ckpt`` (or what it returns, called on this thread: it may wait for theta's
+        file); once it is durable, run ``then(seconds, folder)`` (same thread)."""
 
         def write() -> None:
+            nonlocal ckpt
+            if callable(ckpt):
+                ckpt = ckpt()
             started = time.monotonic()
             # A full disk stalls the job here (the next outer step waits for this write)
             # rather than stopping it: the previous checkpoint stays as it was.

@@ -16,10 +16,12 @@ close record) unchanged: a restart recomputes the same theta_{r+1}.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from coordinator.checkpointing import CheckpointWriter
@@ -37,6 +39,8 @@ from coordinator.state import CoordinatorState
 from coordinator.storage import checkpoint_bytes
 from coordinator.store import Checkpoint
 from coordinator.streaming import RoundTensors
+from coordinator.theta_file import ThetaFile
+from coordinator.theta_files import ThetaFiles
 from coordinator.uploads import UploadTable
 from strategies import RobustAggregator, Strategy
 from strategies.base import (
@@ -71,7 +75,8 @@ class CloseParts:
     sink: EventSink
     events: EventLog
     stopping: threading.Event  # gives up waiting for disk space (``coordinator.disk``)
-    evaluator: Evaluator | None = None  # ``[evaluation]``: given theta_{r+1} once published
+    theta_files: ThetaFiles  # theta_r's file; theta_{r+1}'s is written once it is served
+    evaluator: Evaluator | None = None  # ``[evaluation]``: given theta_{r+1} once in its file
     tensors: RoundTensors | None = None  # with ``[streaming]``: the fragment each round syncs
 
 
@@ -82,7 +87,6 @@ class ClosePipeline:
     def run(self, order: CloseOrder) -> None:
         started = time.monotonic()
         r = order.round.number
-        theta = self.p.state.theta
         clock = _Phases()
         try:
             if not order.replay:
@@ -90,12 +94,15 @@ class ClosePipeline:
             clock.lap("record_s")
             outcome = self.aggregate(order)
             clock.lap("aggregate_s")
+            self.p.theta_files.wait()  # theta_r in its file (the fold worker wrote it first)
+            theta = self.p.state.theta
             nxt = self.outer_step(order, theta, outcome)
             clock.lap("outer_step_s")
             if self.p.downlink is not None:
                 if nxt is theta:  # nothing counted: theta_r is being served, do not write it
                     nxt = ThetaBuffer.copy_of(theta.tensors)
                 self.p.downlink.step(theta.tensors, nxt.tensors, r, self._synced(r))
+            self.p.theta_files.release()
             clock.lap("downlink_s")
             strategy_state = check_state(self.p.strategy, call_hook(self.p.strategy, "state_dict"))
         except Exception as exc:
@@ -107,10 +114,11 @@ class ClosePipeline:
             log.exception("outer step failed; the last checkpoint is unchanged")
             raise FatalError(self.p.state.fatal) from exc
         self._note(r, outcome)
-        theta_hash, meta = self.publish(order, nxt, outcome, clock)
-        self.checkpoint(order, nxt, theta_hash, strategy_state, meta)
-        if self.p.evaluator is not None:  # on its own thread: returns at once
-            self.p.evaluator.submit(r + 1, nxt.tensors)
+        theta_hash, meta, nxt = self.publish(order, nxt, outcome, clock)
+        served = functools.partial(self._served_from_file, r + 1)
+        written = self.p.theta_files.submit(r + 1, nxt, served)
+        del nxt  # theta_{r+1}'s buffer goes once its file serves (the next sum needs the room)
+        self.checkpoint(order, written, theta_hash, strategy_state, meta)
         log.info(
             "round %d closed (%s): %d update(s), published theta_%d %s in %.2fs",
             r,
@@ -120,6 +128,16 @@ class ClosePipeline:
             theta_hash.hex()[:12],
             time.monotonic() - started,
         )
+
+    def _served_from_file(self, version: int, file: ThetaFile) -> None:
+        """theta_``version``'s file is written (on the fold worker): serve and step from it."""
+        with self.p.lock:
+            s = self.p.state
+            if s.published.version == version:
+                s.published.payload.to_file(file)
+                s.theta = file.theta
+        if self.p.evaluator is not None:  # on its own thread: returns at once
+            self.p.evaluator.submit(version, file.theta.tensors)
 
     # ---- the steps --------------------------------------------------------------------------
 
@@ -169,7 +187,11 @@ class ClosePipeline:
         s, agg = self.p.strategy, outcome.aggregate
         own = order.running_sum is not None and order.running_sum.buffer is not None
         own = own and steps_in_place(s)
-        new = call_hook(s, "outer_step_in_place", theta.tensors, agg) if own else None
+        new = None
+        if own and s.separable:
+            new = self._step_by_tensor(theta, agg)
+        elif own:
+            new = call_hook(s, "outer_step_in_place", theta.tensors, agg)
         if new is None:
             new = check_outer_result(
                 s, theta.tensors, call_hook(s, "outer_step", theta.tensors, agg)
@@ -181,6 +203,22 @@ class ClosePipeline:
             if t.data_ptr() != buffer.tensors[name].data_ptr():
                 buffer.tensors[name].copy_(t)
         return buffer
+
+    def _step_by_tensor(self, theta: ThetaBuffer, agg: Aggregate):
+        """A separable strategy's in-place step, one tensor at a time, each tensor of theta_r
+        given back to its file once stepped: theta_r is never resident whole. None if the
+        strategy has no in-place step after all."""
+        s, new = self.p.strategy, dict(theta.tensors)
+        current = self.p.theta_files.current
+        for name, delta in agg.mean_delta.items():
+            one = {name: theta.tensors[name]}
+            got = call_hook(s, "outer_step_in_place", one, replace(agg, mean_delta={name: delta}))
+            if got is None:
+                return None
+            new[name] = check_outer_result(s, one, got)[name]
+            if current is not None and theta is current.theta:
+                current.release(name)
+        return new
 
     def publish(self, order: CloseOrder, nxt: ThetaBuffer, outcome: Outcome, clock=None):
         """Hash theta_{r+1}, make it the served theta and open the way to round r+1."""
@@ -230,15 +268,21 @@ class ClosePipeline:
                 )
             s.changed()
         self.p.uploads.drop_rounds_before(r + 1)
-        return theta_hash, meta
+        return theta_hash, meta, nxt
 
-    def checkpoint(self, order, nxt: ThetaBuffer, theta_hash: bytes, strategy_state, meta):
+    def checkpoint(self, order, theta: Future, theta_hash: bytes, strategy_state, meta):
+        """Write round r+1's checkpoint in the background, linking theta's file (``theta``:
+        the future of ``ThetaFiles.submit``) once it is written."""
         r = order.round.number
         downlink = self.p.downlink.state_dict() if self.p.downlink is not None else {}
         # Every event up to this one is durable before the checkpoint is: a restart that finds
         # the log ending earlier knows that events were lost (EventLog.check_known).
         meta = {**meta, "events_seq": self.p.events.last_seq}
-        ckpt = Checkpoint(r + 1, nxt.tensors, strategy_state, meta, downlink, theta_hash)
+
+        def ckpt() -> Checkpoint:
+            file = theta.result()
+            tensors = file.theta.tensors
+            return Checkpoint(r + 1, tensors, strategy_state, meta, downlink, theta_hash, file.path)
 
         def written(seconds: float, folder: Path) -> None:
             self.p.spool.drop_rounds_before(r + 1)

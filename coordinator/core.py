@@ -48,6 +48,7 @@ from coordinator.spool import UpdateSpool
 from coordinator.status import StatusSnapshot, snapshot_of
 from coordinator.storage import open_store
 from coordinator.streaming import RoundTensors
+from coordinator.theta_files import ThetaFiles
 from coordinator.uploads import Upload, UploadTable
 from strategies import RobustAggregator, load_strategy
 from wire.health import Probe
@@ -83,6 +84,7 @@ class CoordinatorCore:
         self.stopping = threading.Event()
         self.writer = CheckpointWriter(self.store, self.stopping)
         self._folder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fold")
+        self.theta_files = ThetaFiles(cfg.state_dir / "theta", self._folder, self.stopping)
         self._stopping = False
         self.state, self.data, self.trainable = recovery.load(self)
         # With [streaming]: the fragment each round syncs (a plan that cannot be made stops
@@ -134,6 +136,7 @@ class CoordinatorCore:
             self.sink,
             self.events,
             self.stopping,
+            self.theta_files,
             self.evaluator,
             self.tensors,
         )
@@ -170,7 +173,9 @@ class CoordinatorCore:
 
     def evaluations_done(self) -> bool:
         """No evaluation waiting or running (the job may end)."""
-        return self.evaluator is None or self.evaluator.idle()
+        if self.evaluator is None:
+            return True
+        return self.theta_files.idle() and self.evaluator.idle()  # the file job submits one
 
     @contextlib.contextmanager
     def _locked(self):

@@ -25,7 +25,7 @@ from typing import Any
 
 from coordinator.model_source import ModelConfig
 from coordinator.store import CheckpointStore, StoreError, write_atomic
-from wire.safetensors_io import write_tensors
+from wire.safetensors_io import copy_data, header_bytes, read_header, write_tensors
 
 MODEL_CARD = "model.json"
 FORMAT = "isthmus-model-1"
@@ -103,7 +103,10 @@ def export_model(
         raise StoreError(problem)
     if store is None:
         store = CheckpointStore(state_dir, read_only=True)
-    ckpt = store.load_round(round_number) if round_number is not None else store.load_latest()
+    if round_number is not None:
+        ckpt = store.load_round(round_number, theta_only=True)
+    else:
+        ckpt = store.load_latest(theta_only=True)
     if ckpt is None:
         raise StoreError(f"{getattr(store, 'url', state_dir)} holds no checkpoints yet")
     saved = _read_json(Path(state_dir) / MODEL_CARD)
@@ -117,13 +120,27 @@ def export_model(
     metadata = {f"isthmus.{k}": json.dumps(v) for k, v in asdict(card).items()}
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        write_tensors(tmp, ckpt.theta, metadata)
+        _write_model(tmp, ckpt, metadata)
         os.replace(tmp, out)
         write_atomic(card_path_of(out), json.dumps(asdict(card), indent=1).encode())
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise StoreError(f"cannot write {out}: {exc.strerror}") from exc
     return Exported(out, card_path_of(out), card)
+
+
+def _write_model(path: Path, ckpt, metadata: dict[str, str]) -> None:
+    """The checkpoint's theta with the card in its header: the tensors' bytes copied from the
+    checkpoint's file where there is one (a model-sized copy outside the process)."""
+    if ckpt.theta_file is None:
+        write_tensors(path, ckpt.theta, metadata)
+        return
+    manifest, start, _ = read_header(ckpt.theta_file)
+    with open(path, "wb") as f:
+        f.write(header_bytes(manifest, metadata))
+        f.flush()
+        copy_data(ckpt.theta_file, f, start, manifest.total_bytes)
+        os.fsync(f.fileno())
 
 
 def read_card(path: Path) -> ModelCard:

@@ -1,4 +1,4 @@
-"""Making theta_{r+1} servable: hashed once, served from the buffer it lives in.
+"""Making theta_{r+1} servable: hashed once, served from its buffer, then from its file.
 
 Two digests are taken of each new theta, in parallel (hashlib releases the GIL): its state hash
 (``wire.tensors.state_hash``: names, dtypes, shapes and bytes, the value every site checks
@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from coordinator.downlink import Downlink
 from coordinator.records import Published
+from coordinator.theta_file import ThetaSource
 from wire.tensors import state_hash
 from wire.theta import ThetaBuffer
 
@@ -27,16 +28,20 @@ def hash_theta(theta: ThetaBuffer) -> tuple[bytes, ThetaBuffer]:
 
 
 def publication(
-    version: int, theta: ThetaBuffer, theta_hash: bytes, downlink: Downlink | None
+    version: int,
+    theta: ThetaBuffer,
+    theta_hash: bytes,
+    downlink: Downlink | None,
+    source: ThetaSource | None = None,
 ) -> Published:
-    """What Fetch serves for ``version``: ``theta`` (already digested) and, with a compressed
-    downlink, the delta that leads to it."""
+    """What Fetch serves for ``version``: ``theta`` (already digested; from ``source``, by
+    default its buffer) and, with a compressed downlink, the delta that leads to it."""
     d = downlink
     return Published(
         version,
         theta_hash,
         theta.manifest,
-        theta.payload(),
+        source if source is not None else ThetaSource(theta.payload()),
         d.from_version if d is not None else None,
         d.manifest if d is not None else None,
         d.payload if d is not None else None,

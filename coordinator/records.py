@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from coordinator.theta_file import ThetaSource
 from wire.health import Probe
 from wire.proto import isthmus_pb2 as pb
 from wire.tensors import Manifest
@@ -148,7 +149,7 @@ class Published:
     version: int
     theta_hash: bytes
     manifest: Manifest
-    payload: memoryview
+    payload: ThetaSource  # theta's buffer, then its file (``coordinator.theta_file``)
     delta_from: int | None = None
     delta_manifest: Manifest | None = None
     delta_payload: memoryview | bytes | None = None

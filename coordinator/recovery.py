@@ -36,10 +36,10 @@ from coordinator.shared_data import SharedData
 from coordinator.spool_check import SpoolCheck, Wanted, check_round
 from coordinator.state import CoordinatorState
 from coordinator.store import Checkpoint, StoreError
+from coordinator.theta_file import ThetaSource
 from strategies.base import call_hook
 from strategies.robust import norm_of
 from wire.tensors import state_hash
-from wire.theta import ThetaBuffer
 
 log = logging.getLogger("isthmus.coordinator")
 
@@ -47,12 +47,14 @@ log = logging.getLogger("isthmus.coordinator")
 def load(core) -> tuple[CoordinatorState, object, list[str]]:
     cfg = core.cfg
     ckpt = core.store.load_latest()
-    buffer = None
     if ckpt is None:
-        buffer = ThetaBuffer.copy_of(initial_theta(cfg.model))  # the model itself goes now
-        theta = buffer.tensors
+        initial = initial_theta(cfg.model)  # the model itself goes once its file is written
+        initial_hash = state_hash(initial)
+        file = core.theta_files.start(0, initial)
+        del initial
+        theta = file.theta.tensors
         meta = {"job": cfg.name, "events_seq": core.events.last_seq}
-        ckpt = Checkpoint(0, theta, {}, meta, {}, state_hash(theta))
+        ckpt = Checkpoint(0, theta, {}, meta, {}, initial_hash, file.path)
         core.store.save(ckpt)
         log.info("new job %r: theta_0 has %d tensors", cfg.name, len(theta))
     elif ckpt.meta.get("job") != cfg.name:
@@ -64,6 +66,7 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
         where = f"the checkpoint of round {ckpt.round}"
         core.events.check_known(ckpt.meta.get("events_seq"), where)
         call_hook(core.strategy, "load_state_dict", ckpt.strategy_state)
+        file = core.theta_files.start(ckpt.round, ckpt.theta, ckpt.theta_file)
         log.info("resumed job %r at round %d (epoch %d)", cfg.name, ckpt.round, core.members.epoch)
     if core.downlink is not None:
         core.downlink.load_state_dict(ckpt.downlink, ckpt.round)
@@ -73,12 +76,13 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
         data = SharedData.from_meta(ckpt.meta, cfg.speculation)
     else:
         data = FederatedData(core.strategy, last_closed)
-    theta = (buffer or ThetaBuffer.copy_of(ckpt.theta)).with_digest()
+    theta = file.theta
     theta_hash = ckpt.theta_hash or bytes.fromhex(ckpt.meta["theta_sha256"])
+    source = ThetaSource.of_file(file)
     state = CoordinatorState(
         round=RoundState(number=ckpt.round),
         theta=theta,
-        published=publication(ckpt.round, theta, theta_hash, core.downlink),
+        published=publication(ckpt.round, theta, theta_hash, core.downlink, source),
         wake=core.wake,
         total_rounds=cfg.rounds.total,
         last_closed=last_closed,

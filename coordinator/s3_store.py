@@ -32,6 +32,7 @@ from safetensors.torch import load as load_safetensors
 from coordinator import s3_layout as layout
 from coordinator.s3_objects import (
     Blob,
+    FileBlob,
     delete_keys,
     get_verified,
     get_with_etag,
@@ -88,9 +89,8 @@ class S3CheckpointStore:
             return manifest
 
     def _upload(self, ckpt: Checkpoint) -> layout.Manifest:
-        theta, strategy, downlink = (
-            _contiguous(t) for t in (ckpt.theta, ckpt.strategy_state, ckpt.downlink)
-        )
+        strategy, downlink = (_contiguous(t) for t in (ckpt.strategy_state, ckpt.downlink))
+        theta = ckpt.theta if ckpt.theta_file is not None else _contiguous(ckpt.theta)
         meta = {
             **ckpt.meta,
             "format": FORMAT,
@@ -101,7 +101,9 @@ class S3CheckpointStore:
             "written_at": time.time(),
         }
         blobs = {
-            "theta.safetensors": tensor_blob(theta),
+            "theta.safetensors": (
+                FileBlob(ckpt.theta_file) if ckpt.theta_file is not None else tensor_blob(theta)
+            ),
             "strategy.safetensors": tensor_blob(strategy),
             "downlink.safetensors": tensor_blob(downlink),
             "meta.json": Blob([json.dumps(meta, indent=1, sort_keys=True).encode()]),
@@ -157,12 +159,13 @@ class S3CheckpointStore:
         """The committed rounds, oldest first."""
         return layout.committed_rounds(list_keys(self.client, self.bucket, self.dir))
 
-    def load_latest(self) -> Checkpoint | None:
-        """The newest committed checkpoint that verifies, or None if none is committed."""
+    def load_latest(self, theta_only: bool = False) -> Checkpoint | None:
+        """The newest committed checkpoint that verifies, or None if none is committed; with
+        ``theta_only`` its strategy and downlink state are not downloaded (and left empty)."""
         problems = []
         for r in layout.newest_first(self.kept_rounds()):
             try:
-                return self._load(r)
+                return self._load(r, theta_only)
             except (StoreError, ValueError) as exc:
                 self._damaged.add(r)
                 problems.append(f"round {r}: {exc}")
@@ -176,7 +179,7 @@ class S3CheckpointStore:
             raise StoreError(f"no usable checkpoint in {self.url}: " + "; ".join(problems))
         return None
 
-    def load_round(self, round_number: int) -> Checkpoint:
+    def load_round(self, round_number: int, theta_only: bool = False) -> Checkpoint:
         """The checkpoint of ``round_number``, verified; ``StoreError`` if it is not kept or
         does not verify."""
         kept = self.kept_rounds()
@@ -184,30 +187,34 @@ class S3CheckpointStore:
             names = ", ".join(map(str, kept)) or "none"
             raise StoreError(f"no checkpoint of round {round_number} in {self.url} (kept: {names})")
         try:
-            return self._load(round_number)
+            return self._load(round_number, theta_only)
         except ValueError as exc:
             raise StoreError(f"round {round_number}: {exc}") from exc
 
-    def _load(self, r: int) -> Checkpoint:
+    def _load(self, r: int, theta_only: bool = False) -> Checkpoint:
         found = get_with_etag(self.client, self.bucket, self.dir + layout.manifest_key(r))
         if found is None:
             raise StoreError(f"the manifest of round {r} went away (pruned meanwhile?)")
         manifest = layout.parse_manifest(found[0], r)
+        skip = {"strategy.safetensors", "downlink.safetensors"} if theta_only else set()
         raw = {
             name: get_verified(self.client, self.bucket, self.dir + p.key, p.sha256, p.bytes)
             for name, p in manifest.objects.items()
+            if name not in skip
         }
         meta = json.loads(raw["meta.json"])
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("round") != r:
             raise StoreError(f"meta.json of round {r} does not describe it")
         try:
             tensors = {
-                n: load_safetensors(raw[f"{n}.safetensors"])
+                n: load_safetensors(raw[f"{n}.safetensors"]) if f"{n}.safetensors" in raw else {}
                 for n in ("theta", "strategy", "downlink")
             }
         except Exception as exc:  # safetensors raises its own error types
             raise StoreError(f"tensor file unreadable: {exc}") from exc
         for name, t in tensors.items():
+            if f"{name}.safetensors" in skip:
+                continue
             if state_hash(t).hex() != meta.get(f"{name}_sha256"):
                 raise StoreError(f"{name}.safetensors does not match the hash in meta.json")
         return Checkpoint(r, tensors["theta"], tensors["strategy"], meta, tensors["downlink"])

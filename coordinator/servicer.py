@@ -234,12 +234,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if as_delta:
             header.from_version = pub.delta_from
             header.manifest.CopyFrom(pub.delta_manifest.to_proto())
-            payload = pub.delta_payload
+            chunks = iter_chunks(pub.delta_payload, self.chunk_bytes, start=request.offset)
         else:
             header.manifest.CopyFrom(pub.manifest.to_proto())
-            payload = pub.payload
+            chunks = pub.payload.chunks(self.chunk_bytes, start=request.offset)
         yield header
-        for offset, data in iter_chunks(payload, self.chunk_bytes, start=request.offset):
+        for offset, data in chunks:
             yield offset, data
             self.core.count_sent(len(data))
             self.metrics.sent(request.lease.site, len(data))

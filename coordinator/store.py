@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from wire.safetensors_io import map_tensors, write_tensors
+from wire.safetensors_io import file_state_hash, map_tensors, write_tensors
 from wire.tensors import state_hash
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,9 @@ class Checkpoint:
     downlink: dict[str, torch.Tensor] = field(default_factory=dict)
     # state_hash(theta) when the caller already has it (the coordinator hashes theta once).
     theta_hash: bytes | None = None
+    # theta already written as a safetensors file of these tensors (``coordinator.theta_file``):
+    # the checkpoint links (or copies) it instead of writing theta again.
+    theta_file: Path | None = None
 
 
 _counter = itertools.count()
@@ -92,6 +95,16 @@ def write_atomic(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)  # a full disk: leave the old file, and no debris
         raise
     fsync_dir(path.parent)
+
+
+def place_file(source: Path, target: Path) -> None:
+    """``target`` with ``source``'s bytes, durably: a hard link where the file system allows
+    (``source`` is never written again), else a copy made by the kernel."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+    fsync_file(target)
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -157,7 +170,7 @@ class CheckpointStore:
             raise
 
     def _write(self, ckpt: Checkpoint, tmp: Path, final: Path, name: str) -> Path:
-        theta = _contiguous(ckpt.theta)
+        theta = ckpt.theta if ckpt.theta_file is not None else _contiguous(ckpt.theta)
         strategy_state = _contiguous(ckpt.strategy_state)
         downlink = _contiguous(ckpt.downlink)
         theta_hash = ckpt.theta_hash or state_hash(theta)
@@ -170,7 +183,10 @@ class CheckpointStore:
             "downlink_sha256": state_hash(downlink).hex(),
             "written_at": time.time(),
         }
-        write_tensors(tmp / "theta.safetensors", theta)
+        if ckpt.theta_file is not None:
+            place_file(ckpt.theta_file, tmp / "theta.safetensors")
+        else:
+            write_tensors(tmp / "theta.safetensors", theta)
         write_tensors(tmp / "strategy.safetensors", strategy_state)
         write_tensors(tmp / "downlink.safetensors", downlink)
         write_atomic(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True).encode())
@@ -189,8 +205,9 @@ class CheckpointStore:
             if old.name != keep_name:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def load_latest(self) -> Checkpoint | None:
-        """The newest checkpoint that verifies, or None for a new state folder."""
+    def load_latest(self, theta_only: bool = False) -> Checkpoint | None:
+        """The newest checkpoint that verifies, or None for a new state folder; with
+        ``theta_only`` its strategy and downlink state are left unread (and empty)."""
         candidates = sorted((p for p in self.dir.glob("round-*") if p.is_dir()), reverse=True)
         latest = self.dir / "LATEST"
         if latest.exists():
@@ -201,7 +218,7 @@ class CheckpointStore:
         problems = []
         for path in candidates:
             try:
-                return self._load(path)
+                return self._load(path, theta_only)
             except (StoreError, OSError, ValueError) as exc:
                 problems.append(f"{path.name}: {exc}")
                 log.error("checkpoint %s is unusable (%s); trying the one before", path, exc)
@@ -216,7 +233,7 @@ class CheckpointStore:
         names = (p.name for p in self.dir.glob("round-*") if p.is_dir())
         return sorted(int(n[len("round-") :]) for n in names if n[len("round-") :].isdigit())
 
-    def load_round(self, round_number: int) -> Checkpoint:
+    def load_round(self, round_number: int, theta_only: bool = False) -> Checkpoint:
         """The checkpoint of ``round_number``, verified; ``StoreError`` if it is not kept or
         does not verify."""
         path = self.dir / f"round-{round_number:08d}"
@@ -224,11 +241,11 @@ class CheckpointStore:
             kept = ", ".join(map(str, self.kept_rounds())) or "none"
             raise StoreError(f"no checkpoint of round {round_number} in {self.dir} (kept: {kept})")
         try:
-            return self._load(path)
+            return self._load(path, theta_only)
         except OSError as exc:
             raise StoreError(f"{path.name}: {exc}") from exc
 
-    def _load(self, path: Path) -> Checkpoint:
+    def _load(self, path: Path, theta_only: bool = False) -> Checkpoint:
         try:
             meta = json.loads((path / "meta.json").read_text())
         except (OSError, json.JSONDecodeError) as exc:
@@ -239,20 +256,26 @@ class CheckpointStore:
             raise StoreError(f"unsupported checkpoint format {meta.get('format')!r}")
         try:
             theta = map_tensors(path / "theta.safetensors").tensors
-            strategy_state = load_file(str(path / "strategy.safetensors"))
+            strategy_state, downlink = {}, {}
             downlink_file = path / "downlink.safetensors"
-            downlink = load_file(str(downlink_file)) if downlink_file.exists() else {}
+            if not theta_only:
+                strategy_state = load_file(str(path / "strategy.safetensors"))
+                downlink = load_file(str(downlink_file)) if downlink_file.exists() else {}
         except Exception as exc:  # safetensors raises its own error types for damaged files
             raise StoreError(f"tensor file unreadable: {exc}") from exc
-        if state_hash(theta).hex() != meta.get("theta_sha256"):
+        if file_state_hash(path / "theta.safetensors").hex() != meta.get("theta_sha256"):
             raise StoreError("theta.safetensors does not match the hash in meta.json")
-        want = meta.get("strategy_sha256")
+        want = None if theta_only else meta.get("strategy_sha256")
         if want is not None and state_hash(strategy_state).hex() != want:
             raise StoreError("strategy.safetensors does not match the hash in meta.json")
-        want = meta.get("downlink_sha256")
+        want = None if theta_only else meta.get("downlink_sha256")
         if want is not None and state_hash(downlink).hex() != want:
             raise StoreError("downlink.safetensors does not match the hash in meta.json")
         round_number = meta.get("round")
         if not isinstance(round_number, int) or path.name != f"round-{round_number:08d}":
             raise StoreError(f"meta.json names round {round_number!r}, the folder is {path.name}")
-        return Checkpoint(round_number, theta, strategy_state, meta, downlink)
+        theta_hash = bytes.fromhex(meta["theta_sha256"])
+        theta_file = path / "theta.safetensors"
+        return Checkpoint(
+            round_number, theta, strategy_state, meta, downlink, theta_hash, theta_file
+        )

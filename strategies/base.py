@@ -117,6 +117,11 @@ class Strategy(ABC):
     Config: ClassVar[type]
     #: Set to True to receive ``Aggregate.updates`` (every site's update, read lazily).
     needs_updates: ClassVar[bool] = False
+    #: Set to True when the outer step treats each tensor on its own: a tensor's new value and
+    #: state depend only on its own theta, mean delta and state (no global norm, no shared step
+    #: counter). ``outer_step_in_place`` is then called once per tensor, so that the
+    #: coordinator holds one tensor of theta_r in memory rather than all of it.
+    separable: ClassVar[bool] = False
 
     def __init__(self, config: Any) -> None:
         self.config = config

@@ -41,6 +41,7 @@ class DiLoCo(Strategy):
     """Outer Nesterov SGD on pseudo-gradients (the DiLoCo outer optimiser)."""
 
     Config = DiLoCoConfig
+    separable = True  # elementwise, state per tensor
 
     def __init__(self, config: DiLoCoConfig | None = None) -> None:
         super().__init__(config or DiLoCoConfig())

@@ -31,6 +31,7 @@ class FedAvg(Strategy):
     """Weighted federated averaging (weights = examples each site reported)."""
 
     Config = FedAvgConfig
+    separable = True  # elementwise, state per tensor
 
     def __init__(self, config: FedAvgConfig | None = None) -> None:
         super().__init__(config or FedAvgConfig())

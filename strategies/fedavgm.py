@@ -48,6 +48,7 @@ class FedAvgM(Strategy):
     """Example-weighted averaging followed by server SGD with momentum."""
 
     Config = FedAvgMConfig
+    separable = True  # elementwise, state per tensor
 
     def __init__(self, config: FedAvgMConfig | None = None) -> None:
         super().__init__(config or FedAvgMConfig())

@@ -242,6 +242,16 @@ def _core(tmp_path, fn, **sections):
     return CoordinatorCore(cfg, clock=clock), clock
 
 
+def _evaluations_done(core, timeout_s: float = 20.0) -> bool:
+    """Whether every evaluation submitted so far finished (theta's file is written first)."""
+    deadline = time.monotonic() + timeout_s
+    while not core.evaluations_done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def _close_a_round(core, clock, r, tokens):
     for site, token in tokens.items():
         push(core, site, token, r, delta_like(core, 0.1 * (r + 1)))
@@ -255,7 +265,7 @@ def test_results_reach_status_and_the_event_log(tmp_path):
         heartbeat_all(core, clock, tokens, 1.0)
         _close_a_round(core, clock, 0, tokens)
         assert core.round.number == 1
-        assert core.evaluator.wait_idle(20)
+        assert _evaluations_done(core)
         theta_1 = {k: v.clone() for k, v in core.theta.items()}
         text = format_status(status_reply(core.snapshot()))
         want = eval_hooks.weight_norm(_model_with(theta_1), 1)
@@ -286,7 +296,7 @@ def test_a_failing_hook_makes_the_job_fatal_naming_it(tmp_path):
             clock.now += 1.0
             for site, token in tokens.items():
                 core.heartbeat(site, token, None)
-        assert core.evaluator.wait_idle(20)
+        assert _evaluations_done(core)
         with pytest.raises(
             FatalError, match=re.escape("evaluation 'eval_hooks:broken' failed on theta_2")
         ):

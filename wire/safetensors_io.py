@@ -14,6 +14,7 @@ every tensor starts aligned to its element size and can be viewed where it lies.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -164,6 +165,39 @@ def read_header(path: Path) -> tuple[Manifest, int, dict[str, str]]:
     manifest = Manifest(tuple(sorted(entries, key=lambda e: e.offset)), size - 8 - n, b"\0" * 32)
     validate_manifest(manifest)
     return manifest, 8 + n, {str(k): str(v) for k, v in dict(metadata).items()}
+
+
+def file_state_hash(path: Path) -> bytes:
+    """``wire.tensors.state_hash`` of a safetensors file's tensors, read a chunk at a time
+    (nothing mapped, so a model-sized check adds no pages to the process)."""
+    manifest, start, _ = read_header(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for e in sorted(manifest.entries, key=lambda e: e.name):
+            h.update(e.name.encode())
+            h.update(b"\0" + e.dtype.encode() + b"\0")
+            h.update(repr(tuple(e.shape)).encode())
+            f.seek(start + e.offset)
+            left = e.nbytes
+            while left:
+                chunk = f.read(min(left, 4 << 20))
+                if not chunk:
+                    raise PayloadError(f"{path}: {e.name} is cut short")
+                h.update(chunk)
+                left -= len(chunk)
+    return h.digest()
+
+
+def copy_data(source: Path, target, start: int, size: int) -> None:
+    """Append ``size`` bytes of ``source`` from ``start`` to the open file ``target`` (copied
+    by the kernel: nothing passes through the process)."""
+    with open(source, "rb") as f:
+        offset = start
+        while offset < start + size:
+            sent = os.sendfile(target.fileno(), f.fileno(), offset, start + size - offset)
+            if sent == 0:
+                raise PayloadError(f"{source}: shorter than its header says")
+            offset += sent
 
 
 def map_tensors(path: Path, writable: bool = False) -> MappedTensors:

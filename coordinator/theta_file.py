@@ -1,0 +1,172 @@
+"""theta_r on disk: served, stepped and checkpointed from one file instead of process memory.
+
+The coordinator's memory holds the running sum (which becomes theta_{r+1}) and the strategy's
+state. theta_r itself, once published, lives in a file under ``state_dir/theta/``, a safetensors
+file laid out as ``wire.theta.ThetaBuffer`` (byte for byte the checkpoint's
+``theta.safetensors``, so the checkpoint links it rather than writing it again):
+
+- Fetch streams read it with ``pread``: the bytes pass through the page cache, which the kernel
+  may reclaim, never through the process's own pages (``ThetaSource``).
+- Everything else (the outer step, a strategy's hooks, shapes) sees tensors that are views of a
+  copy-on-write mapping of the file. ``release`` hands a tensor's pages back
+  (``MADV_DONTNEED``): clean pages of a file mapping are read again from the file if needed, so
+  the outer step keeps one tensor of theta_r resident at a time.
+
+The file is a cache, not state: it is not fsynced on its own (the checkpoint that links it is),
+and every start writes it afresh from the checkpoint it resumes from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import shutil
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from wire.safetensors_io import read_header, write_tensors
+from wire.tensors import Manifest
+from wire.theta import ThetaBuffer
+
+PAGE = mmap.PAGESIZE
+
+
+class ThetaFile:
+    """One published theta in its file: ``theta`` (views of a private mapping) and ``read``."""
+
+    def __init__(self, path: Path, manifest: Manifest) -> None:
+        """Open ``path`` (written by ``write_theta_file``); ``manifest`` carries the payload's
+        SHA-256, which the file's own header does not."""
+        self.path = Path(path)
+        layout, self.data_start, _ = read_header(self.path)
+        if layout.entries != manifest.entries:
+            raise ValueError(f"{self.path}: not laid out like theta")
+        self.manifest = manifest
+        self._fd = os.open(self.path, os.O_RDONLY)
+        size = self.data_start + manifest.total_bytes
+        self._map = mmap.mmap(self._fd, size, access=mmap.ACCESS_COPY) if size else None
+        raw = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else None
+        data = raw[self.data_start :] if raw is not None else torch.empty(0, dtype=torch.uint8)
+        self.theta = ThetaBuffer.on(manifest, data)
+        self._spans = {e.name: (e.offset, e.nbytes) for e in manifest.entries}
+
+    def read(self, offset: int, size: int) -> bytes:
+        """``size`` payload bytes from ``offset`` (fewer at the end), through the page cache."""
+        return os.pread(self._fd, size, self.data_start + offset)
+
+    def release(self, name: str | None = None) -> None:
+        """Give back the resident pages of tensor ``name`` (None: of all of theta). theta is
+        never written, so its pages are clean and come back from the file when read again."""
+        if self._map is None:
+            return
+        offset, size = self._spans[name] if name is not None else (0, self.manifest.total_bytes)
+        start = (self.data_start + offset) // PAGE * PAGE
+        end = min(len(self._map), self.data_start + offset + size)
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def close(self) -> None:
+        """Close the descriptor; the mapping goes with the last view of it."""
+        os.close(self._fd)
+
+
+def write_theta_file(
+    folder: Path, version: int, tensors: Mapping[str, torch.Tensor], sha256: bytes | None = None
+) -> ThetaFile:
+    """Write ``tensors`` (theta's buffer, or a checkpoint's mapped tensors) to
+    ``folder/theta-VERSION.safetensors`` and open it; ``sha256`` is the payload's digest, taken
+    from the file when not given. Written under a temporary name and renamed, so an open file
+    is always whole."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"theta-{version:08d}.safetensors"
+    tmp = folder / f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        manifest = write_tensors(tmp, tensors, fsync=False)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if sha256 is None:
+        sha256 = _payload_digest(path, manifest.total_bytes)
+    return ThetaFile(path, replace(manifest, sha256=sha256))
+
+
+def link_theta_file(folder: Path, version: int, saved: Path) -> ThetaFile:
+    """A checkpoint's ``theta.safetensors`` (never written again) as the theta file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"theta-{version:08d}.safetensors"
+    path.unlink(missing_ok=True)
+    try:
+        os.link(saved, path)
+    except OSError:
+        shutil.copyfile(saved, path)
+    manifest, _, _ = read_header(path)
+    return ThetaFile(path, replace(manifest, sha256=_payload_digest(path, manifest.total_bytes)))
+
+
+def _payload_digest(path: Path, size: int) -> bytes:
+    """SHA-256 of a safetensors file's data section, read a chunk at a time."""
+    _, start, _ = read_header(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        for chunk in iter(lambda: f.read(4 << 20), b""):
+            h.update(chunk)
+    return h.digest()
+
+
+def clear_theta_files(folder: Path, keep: Path | None = None) -> None:
+    """Remove every theta file in ``folder`` but ``keep`` (open ones stay readable until
+    closed: Linux frees an unlinked file with its last descriptor)."""
+    if not folder.is_dir():
+        return
+    for old in folder.iterdir():
+        if old != keep and old.name.startswith(("theta-", ".theta-")):
+            old.unlink(missing_ok=True)
+
+
+class ThetaSource:
+    """What a whole-theta Fetch streams: theta's buffer until its file is written, then the
+    file. A stream asks for each chunk as it goes, so once ``to_file`` is called no stream
+    keeps the buffer alive."""
+
+    def __init__(self, payload: memoryview) -> None:
+        self._memory: memoryview | None = payload
+        self._file: ThetaFile | None = None
+        self.size = len(payload)
+
+    @classmethod
+    def of_file(cls, file: ThetaFile) -> ThetaSource:
+        source = cls(memoryview(b""))
+        source.size = file.manifest.total_bytes
+        source.to_file(file)
+        return source
+
+    def to_file(self, file: ThetaFile) -> None:
+        if file.manifest.total_bytes != self.size:
+            raise ValueError("the theta file is not the payload being served")
+        self._file, self._memory = file, None
+
+    @property
+    def in_memory(self) -> bool:
+        return self._memory is not None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def chunks(self, chunk_bytes: int, start: int = 0) -> Iterator[tuple[int, bytes | memoryview]]:
+        """``(offset, bytes)`` pieces from ``start`` on."""
+        if not 0 <= start <= self.size:
+            raise ValueError(f"resume offset {start} outside the {self.size}-byte payload")
+        for offset in range(start, self.size, chunk_bytes):
+            memory, file = self._memory, self._file
+            n = min(chunk_bytes, self.size - offset)
+            yield (
+                offset,
+                memory[offset : offset + n] if memory is not None else file.read(offset, n),
+            )
