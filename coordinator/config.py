@@ -185,6 +185,9 @@ class ServerConfig:
     # Uploads received at once (``coordinator.receive_slots``): the others wait their turn, in
     # fold order, so their windows are not held in memory. 0: no limit.
     concurrent_uploads: int = setting(8, check=non_negative)
+    # Fetch streams sent at once (``coordinator.send_slots``): the others wait their turn, so
+    # their chunks in flight are not held in memory. 0: no limit.
+    concurrent_fetches: int = setting(8, check=non_negative)
     # How long a call's request message may take to arrive once the call is open, and how
     # long a stream may then sit between messages (a push waits, before its last chunk, for
     # the site's checkpoint). A call past either is cancelled: it frees its worker.

@@ -43,6 +43,7 @@ from coordinator.records import (
     check_name,
 )
 from coordinator.round_driver import RoundDriver
+from coordinator.send_slots import SendSlots
 from coordinator.site_control import SiteControl
 from coordinator.spool import UpdateSpool
 from coordinator.status import StatusSnapshot, snapshot_of
@@ -70,6 +71,7 @@ class CoordinatorCore:
         self.spool = UpdateSpool(cfg.state_dir / "spool")
         self.uploads = UploadTable(self.spool)
         self.slots = ReceiveSlots(cfg.server.concurrent_uploads)
+        self.send_slots = SendSlots(cfg.server.concurrent_fetches)
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
         streaming.check_start(cfg.streaming, self.strategy)  # before any state is touched
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)

@@ -28,7 +28,7 @@ ROUND_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, float
 class CoordinatorMetrics:
     """Counters fed by the servicer and the event stream; gauges read from ``snapshot``."""
 
-    def __init__(self, snapshot: Callable[[], StatusSnapshot], slots=None) -> None:
+    def __init__(self, snapshot: Callable[[], StatusSnapshot], slots=None, send_slots=None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.bytes_in = Counter(
@@ -82,6 +82,8 @@ class CoordinatorMetrics:
         r.register(SnapshotCollector(snapshot))
         if slots is not None:  # coordinator.receive_slots
             r.register(SlotsCollector(slots))
+        if send_slots is not None:  # coordinator.send_slots
+            r.register(SendSlotsCollector(send_slots))
 
     # ---- fed as things happen -----------------------------------------------------------------
 
@@ -146,7 +148,7 @@ class SlotsCollector:
 class SnapshotCollector:
     """Gauges of the job as it is now, from one status snapshot per scrape."""
 
-    def __init__(self, snapshot: Callable[[], StatusSnapshot], slots=None) -> None:
+    def __init__(self, snapshot: Callable[[], StatusSnapshot], slots=None, send_slots=None) -> None:
         self.snapshot = snapshot
 
     def describe(self):
@@ -223,3 +225,23 @@ def _site_families(snap: StatusSnapshot):
         for site in snap.sites:
             family.add_metric([site.site], float(value(site)))
         yield family
+
+
+class SendSlotsCollector:
+    """How many fetch streams are sent at once, and how many wait for a send slot."""
+
+    def __init__(self, slots) -> None:
+        self.slots = slots
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        sending, waiting = self.slots.counts()
+        for name, doc, value in (
+            ("fetches_sending", "Fetch streams being sent now", sending),
+            ("fetches_waiting", "Fetches waiting for a send slot", waiting),
+            ("fetches_sending_peak", "The most fetch streams sent at once", self.slots.peak),
+            ("send_slots", "server.concurrent_fetches (0: no limit)", self.slots.capacity),
+        ):
+            yield GaugeMetricFamily(PREFIX + name, doc, value=float(value))

@@ -95,7 +95,7 @@ class CoordinatorServer:
         self.final: Exported | None = None
         self.stopped_by: int | None = None  # the signal that stopped the job, if one did
         authorizer = Authorizer(revocations)
-        self.metrics = CoordinatorMetrics(self.core.snapshot, self.core.slots)
+        self.metrics = CoordinatorMetrics(self.core.snapshot, self.core.slots, self.core.send_slots)
         self.core.sink.observers.append(self.metrics.event)
         servicer = CoordinatorServicer(self.core, authorizer, self.metrics)
         self.watchdog = CallWatchdog()

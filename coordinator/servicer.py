@@ -19,6 +19,7 @@ from coordinator.auth import AuthError, Authorizer
 from coordinator.core import CoordinatorCore
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.records import PushHeader, Refused, check_name
+from coordinator.send_slots import SlotsBusy
 from coordinator.status import status_reply
 from wire.bulk import chunk_frame, parse_chunk
 from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError, iter_chunks
@@ -222,7 +223,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 yield chunk_frame(*part)
 
     def _fetch_parts(self, request: pb.FetchRequest, context):
-        """The header, then ``(offset, bytes)`` chunks from the requested offset."""
+        """The header, then ``(offset, bytes)`` chunks from the requested offset, once a send
+        slot is free (``coordinator.send_slots``)."""
         self._auth(context, "site", request.lease.site)
         refuse_unknown_fields(request)
         version = request.version if request.HasField("version") else None
@@ -238,11 +240,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         else:
             header.manifest.CopyFrom(pub.manifest.to_proto())
             chunks = pub.payload.chunks(self.chunk_bytes, start=request.offset)
-        yield header
-        for offset, data in chunks:
-            yield offset, data
-            self.core.count_sent(len(data))
-            self.metrics.sent(request.lease.site, len(data))
+        try:
+            slot = self.core.send_slots.slot()
+            slot.__enter__()
+        except SlotsBusy as exc:
+            raise Refused("busy", f"{exc}; fetch again") from None
+        try:
+            yield header
+            for offset, data in chunks:
+                yield offset, data
+                self.core.count_sent(len(data))
+                self.metrics.sent(request.lease.site, len(data))
+        finally:
+            slot.__exit__(None, None, None)
 
     @_refusals_to_status
     def Push(self, request_iterator, context) -> pb.PushReply:
