@@ -5,12 +5,14 @@ after an exception."""
 
 from __future__ import annotations
 
+import os
 import signal
 import statistics
 import subprocess
 
 import pytest
 
+from bench import streams
 from bench.wan_link import TCP_RMEM, WanLink, WanLinkUnavailable, check_available
 from bench.wan_relay import Bottleneck
 
@@ -95,3 +97,9 @@ def test_nothing_left_after_an_exception():
     devices = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     assert not any(d in devices for d in link.devices.values())
 
+
+def test_bench_skips_without_root(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert streams.main([]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "skipped=not_root" and "needs root" in out[0]
