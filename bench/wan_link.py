@@ -15,9 +15,11 @@ Inside both namespaces TCP is set deliberately, not inherited from this machine 
 MiB receive buffer): ``congestion`` (cubic) on the route over the link, the kernel's stock
 ``tcp_rmem``/``tcp_wmem`` (6 MiB / 4 MiB maximum, so a single stream meets a realistic window
 limit), and no cached metrics between connections, so each run starts from the same state.
-The TUN devices use ``mtu`` 9000 by default: a fifth of the packets per byte of 1500, which
-keeps a Python relay well ahead of 200 Mbit/s. Namespaces, devices, the relay and processes
-started in the namespaces are removed on exit, also after an exception or Ctrl-C.
+The TUN devices default to ``mtu`` 1500, as on a real WAN path (slow start counts segments:
+at 9000 bytes a window opens six times faster in bytes); the relay moves about 1.5 Gbit/s at
+1500 and 5-7 Gbit/s at 9000 here, either well ahead of 200 Mbit/s. Namespaces, devices, the
+relay and processes started in the namespaces are removed on exit, also after an exception or
+Ctrl-C.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class WanLink:
         rate_mbit: float | None = 200.0,
         queue_bytes: int | None = None,
         *,
-        mtu: int = 9000,
+        mtu: int = 1500,
         congestion: str = "cubic",
         tcp_rmem: str = TCP_RMEM,
         tcp_wmem: str = TCP_WMEM,
