@@ -1,0 +1,231 @@
+"""How much of a long fat link one TCP stream gets, against K streams and against isthmus.
+
+::
+
+    python -m bench.streams [--delay-ms 40] [--rate-mbit 200] [--mib 64] [--streams 1,2,4,8]
+        [--queue-kib BDP] [--repeats 3] [--mtu 1500] [--congestion cubic]
+
+On a packet-level emulated WAN (``bench.wan_link``: two network namespaces, a relay with one
+tail-drop bottleneck queue per direction and a one-way delay, cubic, the kernel's stock TCP
+buffers), ``--mib`` MiB cross from namespace a to b over K = 1, 2, 4, 8 raw TCP streams in
+parallel, each carrying 1/K of the bytes; then a real ``coordinator serve`` in b and a site
+client in a fetch theta and push an update of that size over the product's current single
+stream. Efficiency is bytes / (time * rate); times run from the first byte sent to the
+receiver's reply on an open connection, so even a perfect transfer pays one round trip (the
+"ideal" line). Each row is the median of ``--repeats`` runs. Last, the relay's own ceiling:
+no delay and no rate cap. Last line::
+
+    efficiency_1=... efficiency_best=... best_streams=... raw_tcp_efficiency=...
+    isthmus_push_efficiency=... isthmus_fetch_efficiency=... relay_ceiling_mbit=...
+
+``efficiency_K`` is raw TCP with K streams; ``raw_tcp_efficiency`` is the single raw stream
+(the same run as ``efficiency_1``), the reference for the two isthmus figures. Without root or
+``/dev/net/tun`` it prints why and ends with ``skipped=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from bench import streams_isthmus
+from bench.progress import steps
+from bench.wan_link import WanLink, WanLinkUnavailable, check_available
+
+PORT = 5201
+CEILING_MIB = 512
+
+
+def _delta(after: dict, before: dict, key: str) -> int:
+    return after[key] - before[key]
+
+
+def raw_tcp(link: WanLink, streams: int, total: int, port: int) -> dict:
+    """``total`` bytes from a to b over ``streams`` connections: seconds, drops, retransmits."""
+    before, counters = link.stats(), link.tcp_counters("a")
+    sink = link.start_call("b", "bench.streams_tcp:sink", link.addr_b, port, streams, total)
+    sent = link.call_in("a", "bench.streams_tcp:send", link.addr_b, port, streams, total)
+    got = link.finish_call(sink)
+    if got["bytes"] != total or not all(s["receipt"] for s in sent["streams"]):
+        raise RuntimeError(f"raw TCP lost bytes: {got['bytes']} of {total} arrived")
+    after = link.stats()
+    a, b = after["a_to_b"], before["a_to_b"]
+    ends = [s["end"] for s in sent["streams"]]
+    packets = sum(_delta(after[d], before[d], "packets_out") for d in ("a_to_b", "b_to_a"))
+    return {
+        "seconds": sent["elapsed_s"],
+        "bytes": total,
+        "dropped": _delta(a, b, "dropped"),
+        "retrans": _delta(link.tcp_counters("a"), counters, "RetransSegs"),
+        "rtt_s": sent["connect_s"],
+        "congestion": sent["congestion"],
+        "packets_per_s": packets / sent["elapsed_s"],
+        # Streams of equal shares that end far apart leave the link to the last one.
+        "spread_s": max(ends) - min(ends),
+    }
+
+
+def isthmus(link: WanLink, folder: Path, mib: float, rounds: int) -> dict[str, list[dict]]:
+    """The product's fetch and push, one of each per round, with the job's drops."""
+    before = link.stats()
+    counters = {s: link.tcp_counters(s) for s in "ab"}
+    timings = streams_isthmus.run(link, folder, mib, rounds)
+    after = link.stats()
+    out = {}
+    # Fetch data flows b -> a and push data a -> b: each direction's drops belong to one kind.
+    for kind, direction, sender in (("fetch", "b_to_a", "b"), ("push", "a_to_b", "a")):
+        dropped = _delta(after[direction], before[direction], "dropped")
+        retrans = _delta(link.tcp_counters(sender), counters[sender], "RetransSegs")
+        out[kind] = [
+            {"seconds": s, "bytes": n, "dropped": dropped, "retrans": retrans}
+            for s, n in timings[kind]
+        ]
+    return out
+
+
+def summary(runs: list[dict], rate_bps: float) -> dict:
+    """Median seconds of ``runs`` and the figures derived from it."""
+    seconds = statistics.median(r["seconds"] for r in runs)
+    size = runs[0]["bytes"]
+    effs = [r["bytes"] * 8 / (r["seconds"] * rate_bps) for r in runs]
+    return {
+        "seconds": seconds,
+        "mib": size / 2**20,
+        "mbit": size * 8 / seconds / 1e6,
+        "efficiency": size * 8 / (seconds * rate_bps),
+        "range": (min(effs), max(effs)),
+        "dropped": statistics.median(r["dropped"] for r in runs),
+        "retrans": statistics.median(r["retrans"] for r in runs),
+        "spread_s": statistics.median(r["spread_s"] for r in runs)
+        if "spread_s" in runs[0]
+        else None,
+    }
+
+
+def _row(name: str, streams: int, s: dict) -> str:
+    lo, hi = s["range"]
+    spread = "-" if s["spread_s"] is None else f"{s['spread_s']:.3f}"
+    return (
+        f"{name:<26}{streams:>7}{s['mib']:>7.1f}{s['seconds']:>9.3f}{s['mbit']:>8.1f}"
+        f"{s['efficiency']:>12.3f}   {lo:.3f}-{hi:.3f}{s['dropped']:>9.0f}{s['retrans']:>9.0f}"
+        f"{spread:>10}"
+    )
+
+
+def header(args, link: WanLink, rtt_s: float, congestion: str) -> list[str]:
+    """What the link was, in a few lines above the table."""
+    rate, rtt = args.rate_mbit * 1e6, 2 * args.delay_ms / 1e3
+    ideal = args.mib * 2**23 / rate
+    return [
+        f"link: {args.delay_ms:g} ms each way (RTT {rtt * 1e3:g} ms; TCP handshake measured "
+        f"{rtt_s * 1e3:.1f} ms), {args.rate_mbit:g} Mbit/s each way",
+        f"bottleneck: {link.queue_bytes / 1024:.0f} KiB FIFO per direction "
+        f"({link.queue_bytes / link.bdp_bytes:.2f} BDP), tail drop; MTU {link.mtu}; "
+        f"relay {link.relay_priority}",
+        f"TCP in both namespaces: {congestion}, tcp_rmem {link.tcp_rmem}, tcp_wmem {link.tcp_wmem}",
+        f"ideal for {args.mib:g} MiB: bytes / rate + 1 RTT = {ideal + rtt:.3f} s, "
+        f"efficiency {ideal / (ideal + rtt):.3f}",
+        f"each row: median of {args.repeats} run(s), min-max of efficiency beside it; "
+        "efficiency = bytes / (seconds * rate)",
+        "dropped: at the bottleneck; retrans: the sender's TCP; spread: the last stream's end "
+        "minus the first's;",
+        "for isthmus, dropped and retrans count the whole job's traffic in that direction",
+    ]
+
+
+def report(args, lines: list[str], rows: dict, ceiling: dict[int, dict]) -> str:
+    """Print the table; return the closing ``key=value`` line."""
+    rate = args.rate_mbit * 1e6
+    raw = {k: summary(v, rate) for k, v in rows.items() if isinstance(k, int)}
+    print("\n" + "\n".join(lines) + "\n")
+    print(
+        f"{'transfer':<26}{'streams':>7}{'MiB':>7}{'seconds':>9}{'Mbit/s':>8}{'efficiency':>12}"
+        f"   {'min-max':<11}{'dropped':>9}{'retrans':>9}{'spread s':>10}"
+    )
+    for k, s in raw.items():
+        print(_row("raw TCP, K streams", k, s))
+    product = {}
+    for kind, label in (("fetch", "isthmus fetch (theta)"), ("push", "isthmus push (update)")):
+        if kind in rows:
+            product[kind] = summary(rows[kind], rate)["efficiency"]
+            print(_row(label, 1, summary(rows[kind], rate)))
+    print("\nrelay ceiling (0 ms, no rate cap, the same relay and MTU):")
+    top = 0.0
+    for k, runs in ceiling.items():
+        s = summary(runs, rate)
+        top = max(top, s["mbit"])
+        pps = statistics.median(r["packets_per_s"] for r in runs)
+        print(f"  {k} stream(s): {s['mbit']:.0f} Mbit/s, {pps:.0f} packets/s through the relay")
+    best = max(raw, key=lambda k: raw[k]["efficiency"])
+    keys = [f"efficiency_{k}={raw[k]['efficiency']:.3f}" for k in sorted(raw)]
+    keys += [f"efficiency_best={raw[best]['efficiency']:.3f}", f"best_streams={best}"]
+    keys.append(f"raw_tcp_efficiency={raw[min(raw)]['efficiency']:.3f}")
+    keys += [
+        f"isthmus_{k}_efficiency={product.get(k, float('nan')):.3f}" for k in ("push", "fetch")
+    ]
+    keys.append(f"relay_ceiling_mbit={top:.0f}")
+    return " ".join(keys)
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.streams", description=__doc__.split("\n")[0])
+    p.add_argument("--delay-ms", type=float, default=40.0, help="one-way delay, each direction")
+    p.add_argument("--rate-mbit", type=float, default=200.0, help="bottleneck rate")
+    p.add_argument("--mib", type=float, default=64.0, help="payload per transfer")
+    p.add_argument("--streams", default="1,2,4,8", help="raw TCP stream counts")
+    p.add_argument("--queue-kib", type=float, help="bottleneck queue (default: 1 BDP)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per row (the median is shown)")
+    p.add_argument("--mtu", type=int, default=1500)
+    p.add_argument("--congestion", default="cubic", help="TCP congestion control on the link")
+    p.add_argument("--no-isthmus", action="store_true", help="raw TCP only")
+    p.add_argument("--keep", type=Path, help="keep the coordinator's folder here")
+    return p.parse_args(argv)
+
+
+def measure(link: WanLink, args, folder: Path) -> tuple[list[str], dict, dict]:
+    """Every run of the plan on ``link``: the header lines, the rows and the ceiling runs."""
+    total = int(args.mib * 2**20)
+    plan = [("tcp", int(k)) for k in args.streams.split(",")] * args.repeats  # interleaved
+    plan += [] if args.no_isthmus else [("isthmus", args.repeats)]
+    plan += [("ceiling", 1), ("ceiling", 4)]
+    names = {"tcp": "raw TCP, {} stream(s)", "isthmus": "isthmus: {} fetch + push rounds"}
+    names["ceiling"] = "relay ceiling (no delay, no cap), {} stream(s)"
+    rows: dict = {}
+    ceiling: dict[int, list[dict]] = {}
+    lines: list[str] = []
+    for i, (kind, n) in enumerate(steps(plan, lambda r: names[r[0]].format(r[1]))):
+        if kind == "tcp":
+            rows.setdefault(n, []).append(raw_tcp(link, n, total, PORT + i))
+        elif kind == "isthmus":
+            rows.update(isthmus(link, folder / "isthmus", args.mib, n))
+        else:
+            if not lines:  # the link as it was, before the relay is uncapped
+                raw = [r for k, v in rows.items() if isinstance(k, int) for r in v]
+                rtt = min(r["rtt_s"] for r in raw)
+                lines = header(args, link, rtt, raw[0]["congestion"])
+                link.configure(0.0, None)
+            ceiling[n] = [raw_tcp(link, n, CEILING_MIB << 20, PORT + i)]
+    return lines, rows, ceiling
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    try:
+        check_available()
+    except WanLinkUnavailable as exc:
+        print(f"bench.streams skipped: {exc}")
+        print(f"skipped={exc.code}")
+        return 0
+    queue = int(args.queue_kib * 1024) if args.queue_kib else None
+    delay = args.delay_ms / 1e3
+    link = WanLink(delay, args.rate_mbit, queue, mtu=args.mtu, congestion=args.congestion)
+    with tempfile.TemporaryDirectory(prefix="isthmus-streams-") as tmp, link:
+        lines, rows, ceiling = measure(link, args, args.keep or Path(tmp))
+    print(report(args, lines, rows, ceiling))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
