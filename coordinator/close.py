@@ -45,6 +45,7 @@ from coordinator.uploads import UploadTable
 from strategies import RobustAggregator, Strategy
 from strategies.base import (
     Aggregate,
+    StrategyError,
     all_finite,
     call_hook,
     check_outer_result,
@@ -207,14 +208,21 @@ class ClosePipeline:
     def _step_by_tensor(self, theta: ThetaBuffer, agg: Aggregate):
         """A separable strategy's in-place step, one tensor at a time, each tensor of theta_r
         given back to its file once stepped: theta_r is never resident whole. None if the
-        strategy has no in-place step after all."""
+        strategy has no in-place step after all (it must say so on the first tensor: after
+        that its state has moved)."""
         s, new = self.p.strategy, dict(theta.tensors)
         current = self.p.theta_files.current
-        for name, delta in agg.mean_delta.items():
+        for i, (name, delta) in enumerate(agg.mean_delta.items()):
             one = {name: theta.tensors[name]}
             got = call_hook(s, "outer_step_in_place", one, replace(agg, mean_delta={name: delta}))
-            if got is None:
+            if got is None and i == 0:
                 return None
+            if got is None:
+                raise StrategyError(
+                    f"strategy {s.plugin_name!r} failed in outer_step_in_place: it returned "
+                    f"None for {name!r} after stepping earlier tensors (a separable strategy "
+                    "steps every tensor or none)"
+                )
             new[name] = check_outer_result(s, one, got)[name]
             if current is not None and theta is current.theta:
                 current.release(name)

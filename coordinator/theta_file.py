@@ -23,6 +23,7 @@ import mmap
 import os
 import shutil
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +49,10 @@ class ThetaFile:
             raise ValueError(f"{self.path}: not laid out like theta")
         self.manifest = manifest
         self._fd = os.open(self.path, os.O_RDONLY)
+        # Closed when the last holder goes (a Fetch stream of an older version may still read
+        # it after a newer file took over): an explicit close could hand the number to another
+        # file while a stream still reads through it.
+        weakref.finalize(self, os.close, self._fd)
         size = self.data_start + manifest.total_bytes
         self._map = mmap.mmap(self._fd, size, access=mmap.ACCESS_COPY) if size else None
         raw = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else None
@@ -69,10 +74,6 @@ class ThetaFile:
         end = min(len(self._map), self.data_start + offset + size)
         if end > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
-
-    def close(self) -> None:
-        """Close the descriptor; the mapping goes with the last view of it."""
-        os.close(self._fd)
 
 
 def write_theta_file(
@@ -159,14 +160,17 @@ class ThetaSource:
     def __len__(self) -> int:
         return self.size
 
-    def chunks(self, chunk_bytes: int, start: int = 0) -> Iterator[tuple[int, bytes | memoryview]]:
+    def chunks(self, chunk_bytes: int, start: int = 0) -> Iterator[tuple[int, bytes]]:
         """``(offset, bytes)`` pieces from ``start`` on."""
         if not 0 <= start <= self.size:
             raise ValueError(f"resume offset {start} outside the {self.size}-byte payload")
         for offset in range(start, self.size, chunk_bytes):
-            memory, file = self._memory, self._file
-            n = min(chunk_bytes, self.size - offset)
-            yield (
-                offset,
-                memory[offset : offset + n] if memory is not None else file.read(offset, n),
-            )
+            yield offset, self._read(offset, min(chunk_bytes, self.size - offset))
+
+    def _read(self, offset: int, size: int) -> bytes:
+        # A copy, never a view: a stream suspended between chunks (flow control, a slow site)
+        # must not keep theta's buffer alive once the file serves.
+        memory, file = self._memory, self._file
+        if memory is not None:
+            return bytes(memory[offset : offset + size])
+        return file.read(offset, size)

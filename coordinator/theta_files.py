@@ -64,9 +64,13 @@ class ThetaFiles:
         future's result is the file. theta_r's own buffer (nothing counted) is its file."""
         current = self.current
         if current is not None and theta.buffer.data_ptr() == current.theta.buffer.data_ptr():
-            done: Future = Future()
-            done.set_result(current)
-            return done
+
+            def same() -> ThetaFile:  # theta_{r+1} is theta_r: its file serves it already
+                then(current)
+                return current
+
+            self._pending = self._worker.submit(same)
+            return self._pending
 
         def job() -> ThetaFile:
             digest = theta.manifest.sha256
@@ -75,10 +79,8 @@ class ThetaFiles:
                 f"writing theta_{version} to {self.folder}",
                 self._stopping,
             )
-            previous, self.current = self.current, file
+            self.current = file  # the previous one closes with its last reader
             then(file)
-            if previous is not None:
-                previous.close()
             clear_theta_files(self.folder, keep=file.path)
             return file
 

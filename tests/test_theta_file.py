@@ -13,6 +13,7 @@ import pytest
 import torch
 from core_helpers import Clock, delta_like, heartbeat_all, new_core, push
 
+from coordinator.records import FatalError
 from coordinator.theta_file import (
     ThetaFile,
     ThetaSource,
@@ -22,6 +23,7 @@ from coordinator.theta_file import (
 )
 from coordinator.theta_files import ThetaFiles
 from strategies.diloco import DiLoCo
+from strategies.fedavg import FedAvg
 from wire.safetensors_io import file_state_hash, write_tensors
 from wire.tensors import state_hash
 from wire.theta import ThetaBuffer
@@ -57,8 +59,6 @@ def test_the_file_holds_thetas_bytes_and_reads_them_back(tmp_path):
     # Without a digest given, it is taken from the file: the same one.
     again = write_theta_file(tmp_path / "other", 3, theta.tensors)
     assert again.manifest.sha256 == theta.manifest.sha256
-    f.close()
-    again.close()
 
 
 def test_released_pages_come_back_from_the_file_bit_for_bit(tmp_path):
@@ -74,7 +74,6 @@ def test_released_pages_come_back_from_the_file_bit_for_bit(tmp_path):
     assert torch.equal(f.theta.tensors["w"], big.tensors["w"])  # read again from the file
     f.release()
     assert torch.equal(f.theta.tensors["b"], big.tensors["b"])
-    f.close()
 
 
 def test_a_file_laid_out_otherwise_is_refused(tmp_path):
@@ -112,7 +111,6 @@ def test_a_checkpoints_file_is_linked_not_copied(tmp_path):
     assert os.stat(f.path).st_ino == os.stat(saved).st_ino
     assert f.manifest.sha256 == theta.manifest.sha256
     assert state_hash(f.theta.tensors) == state_hash(theta.tensors)
-    f.close()
 
 
 def test_old_files_go_and_open_ones_stay_readable(tmp_path):
@@ -123,8 +121,6 @@ def test_old_files_go_and_open_ones_stay_readable(tmp_path):
     clear_theta_files(tmp_path, keep=new.path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [new.path.name]
     assert hashlib.sha256(old.read(0, old.manifest.total_bytes)).digest() == theta.manifest.sha256
-    old.close()
-    new.close()
 
 
 def test_the_file_job_runs_on_the_worker_and_hands_over(tmp_path):
@@ -138,10 +134,50 @@ def test_the_file_job_runs_on_the_worker_and_hands_over(tmp_path):
     assert seen and seen[0][0] is f and seen[0][1] != threading.current_thread().name
     assert files.current is f and files.idle()
     assert not first.path.exists()  # the old one went once the new one served
-    # theta_r's own tensors (nothing counted): its file is reused, nothing written.
-    same = files.submit(2, f.theta, lambda _: pytest.fail("no hand-over for the same file"))
-    assert same.result(1) is f
+    # theta_r's own tensors (nothing counted): its file is reused, nothing written, and the
+    # served theta is still handed over to it (the round's evaluation hangs on that too).
+    handed = []
+    same = files.submit(2, f.theta, handed.append)
+    assert same.result(5) is f and handed == [f]
     worker.shutdown()
+
+
+def test_an_older_versions_stream_reads_its_own_file_after_newer_ones_took_over(tmp_path):
+    worker = ThreadPoolExecutor(max_workers=1)
+    files = ThetaFiles(tmp_path / "theta", worker, threading.Event())
+    theta_1 = _theta(1)
+    source = ThetaSource.of_file(files.start(1, theta_1.tensors))
+    stream = source.chunks(1024)
+    first = next(stream)[1]
+    for version in (2, 3):  # the file of theta_1 is unlinked, newer ones opened
+        files.submit(version, _theta(version), lambda f: None).result(10)
+    gc.collect()
+    others = []  # new descriptors, which would take a closed number
+    for i in range(8):
+        path = tmp_path / f"other-{i}"
+        path.write_bytes(bytes([i]) * 4096)
+        others.append(os.open(path, os.O_RDONLY))
+    rest = b"".join(c for _, c in stream)
+    assert hashlib.sha256(first + rest).digest() == theta_1.manifest.sha256
+    for fd in others:
+        os.close(fd)
+    worker.shutdown()
+
+
+def test_a_suspended_stream_does_not_keep_thetas_buffer_once_the_file_serves(tmp_path):
+    theta = _theta()
+    buffer = weakref.ref(theta.buffer)
+    source = ThetaSource(theta.payload())
+    stream = source.chunks(4096)
+    _, chunk = next(stream)
+    assert isinstance(chunk, bytes)  # a copy, not a view into the buffer
+    source.to_file(write_theta_file(tmp_path, 1, theta.tensors, theta.manifest.sha256))
+    digest = theta.manifest.sha256
+    del theta
+    gc.collect()
+    assert buffer() is None  # the generator, suspended mid-stream, holds no view of it
+    rest = b"".join(c for _, c in stream)
+    assert hashlib.sha256(chunk + rest).digest() == digest
 
 
 # ---- the coordinator ----------------------------------------------------------------------
@@ -183,6 +219,31 @@ def test_after_a_close_theta_is_served_from_its_file_and_the_buffer_is_gone(tmp_
         core.writer.wait()
         ckpt = tmp_path / "state" / "checkpoints" / "round-00000001" / "theta.safetensors"
         assert os.stat(ckpt).st_ino == os.stat(current.path).st_ino
+    finally:
+        core.close()
+
+
+class _HalfInPlace(FedAvg):
+    """Steps vectors in place and asks for ``outer_step`` on matrices: not separable after all."""
+
+    def outer_step_in_place(self, theta, aggregate):
+        if any(t.dim() > 1 for t in aggregate.mean_delta.values()):
+            return None
+        return super().outer_step_in_place(theta, aggregate)
+
+
+def test_a_separable_step_that_gives_up_half_way_stops_the_job(tmp_path):
+    clock = Clock()
+    core = new_core(tmp_path, clock, strategy={"name": f"{__name__}:_HalfInPlace"})
+    try:
+        tokens = {s: core.join(s)[0].token for s in ("site-a", "site-b")}
+        heartbeat_all(core, clock, tokens, 1.0)
+        before = core.published.theta_hash
+        for site, token in tokens.items():
+            push(core, site, token, 0, delta_like(core, 0.1))
+        with pytest.raises(FatalError, match="returned None for .* after stepping earlier"):
+            heartbeat_all(core, clock, tokens, 2.0)
+        assert core.published.theta_hash == before  # nothing published from a half step
     finally:
         core.close()
 
