@@ -10,7 +10,8 @@ file laid out as ``wire.theta.ThetaBuffer`` (byte for byte the checkpoint's
 - Everything else (the outer step, a strategy's hooks, shapes) sees tensors that are views of a
   copy-on-write mapping of the file. ``release`` hands a tensor's pages back
   (``MADV_DONTNEED``): clean pages of a file mapping are read again from the file if needed, so
-  the outer step keeps one tensor of theta_r resident at a time.
+  the outer step keeps one tensor of theta_r resident at a time (a compressed downlink's encode
+  reads theta_r whole, and gives the pages back after).
 
 The file is a cache, not state: it is not fsynced on its own (the checkpoint that links it is),
 and every start writes it afresh from the checkpoint it resumes from.
