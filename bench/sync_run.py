@@ -217,7 +217,8 @@ def _phases(folder: Path) -> dict[str, float]:
     for i in range(2):
         run = folder / f"run-{i}"
         for t in _lines(run / "trainer_timings.jsonl"):
-            add(f"trainer {t['kind']}", t["s"])
+            if "s" in t:  # a phase's duration (``steps`` records count steps instead)
+                add(f"trainer {t['kind']}", t["s"])
         for t in _lines(run / "timings.jsonl"):
             add(f"agent {t['kind']}", t["s"])
             if t["kind"] == "push":
