@@ -81,9 +81,9 @@ class CoordinatorMetrics:
         self.events = Counter(PREFIX + "events", "Events logged, by kind", ["kind"], registry=r)
         r.register(SnapshotCollector(snapshot))
         if slots is not None:  # coordinator.receive_slots
-            r.register(SlotsCollector(slots))
+            r.register(SlotsCollector(slots, RECEIVE_ROWS))
         if send_slots is not None:  # coordinator.send_slots
-            r.register(SendSlotsCollector(send_slots))
+            r.register(SlotsCollector(send_slots, SEND_ROWS))
 
     # ---- fed as things happen -----------------------------------------------------------------
 
@@ -126,23 +126,35 @@ class CoordinatorMetrics:
 
 
 class SlotsCollector:
-    """How many uploads are received at once, and how many wait for a receive slot."""
+    """How many transfers of one kind run at once, and how many wait for a slot
+    (``coordinator.receive_slots``, ``coordinator.send_slots``): ``rows`` names and describes
+    the four gauges, in the order (running, waiting, peak, capacity)."""
 
-    def __init__(self, slots) -> None:
-        self.slots = slots
+    def __init__(self, slots, rows: tuple[tuple[str, str], ...]) -> None:
+        self.slots, self.rows = slots, rows
 
     def describe(self):
         return []
 
     def collect(self):
-        receiving, waiting = self.slots.counts()
-        for name, doc, value in (
-            ("uploads_receiving", "Upload streams being received now", receiving),
-            ("uploads_waiting", "Uploads waiting for a receive slot", waiting),
-            ("uploads_receiving_peak", "The most upload streams received at once", self.slots.peak),
-            ("receive_slots", "server.concurrent_uploads (0: no limit)", self.slots.capacity),
-        ):
+        running, waiting = self.slots.counts()
+        values = (running, waiting, self.slots.peak, self.slots.capacity)
+        for (name, doc), value in zip(self.rows, values, strict=True):
             yield GaugeMetricFamily(PREFIX + name, doc, value=float(value))
+
+
+RECEIVE_ROWS = (
+    ("uploads_receiving", "Upload streams being received now"),
+    ("uploads_waiting", "Uploads waiting for a receive slot"),
+    ("uploads_receiving_peak", "The most upload streams received at once"),
+    ("receive_slots", "server.concurrent_uploads (0: no limit)"),
+)
+SEND_ROWS = (
+    ("fetches_sending", "Fetch streams being sent now"),
+    ("fetches_waiting", "Fetches waiting for a send slot"),
+    ("fetches_sending_peak", "The most fetch streams sent at once"),
+    ("send_slots", "server.concurrent_fetches (0: no limit)"),
+)
 
 
 class SnapshotCollector:
@@ -225,23 +237,3 @@ def _site_families(snap: StatusSnapshot):
         for site in snap.sites:
             family.add_metric([site.site], float(value(site)))
         yield family
-
-
-class SendSlotsCollector:
-    """How many fetch streams are sent at once, and how many wait for a send slot."""
-
-    def __init__(self, slots) -> None:
-        self.slots = slots
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        sending, waiting = self.slots.counts()
-        for name, doc, value in (
-            ("fetches_sending", "Fetch streams being sent now", sending),
-            ("fetches_waiting", "Fetches waiting for a send slot", waiting),
-            ("fetches_sending_peak", "The most fetch streams sent at once", self.slots.peak),
-            ("send_slots", "server.concurrent_fetches (0: no limit)", self.slots.capacity),
-        ):
-            yield GaugeMetricFamily(PREFIX + name, doc, value=float(value))

@@ -49,15 +49,19 @@ class SendSlots:
     @contextmanager
     def slot(self, wait_s: float = FETCH_WAIT_S) -> Iterator[None]:
         """Hold a slot for the body (a fetch's whole stream); ``SlotsBusy`` after ``wait_s``."""
-        self._acquire(wait_s)
+        self.acquire(wait_s)
         try:
             yield
         finally:
-            with self.cond:
-                self.sending -= 1
-                self.cond.notify_all()
+            self.release()
 
-    def _acquire(self, wait_s: float) -> None:
+    def release(self) -> None:
+        with self.cond:
+            self.sending -= 1
+            self.cond.notify_all()
+
+    def acquire(self, wait_s: float = FETCH_WAIT_S) -> None:
+        """Wait (up to ``wait_s``) for a slot, in arrival order; ``SlotsBusy`` if none frees."""
         deadline = self.clock() + wait_s
         with self.cond:
             ticket = next(self._tickets)

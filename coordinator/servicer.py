@@ -241,8 +241,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             header.manifest.CopyFrom(pub.manifest.to_proto())
             chunks = pub.payload.chunks(self.chunk_bytes, start=request.offset)
         try:
-            slot = self.core.send_slots.slot()
-            slot.__enter__()
+            self.core.send_slots.acquire()
         except SlotsBusy as exc:
             raise Refused("busy", f"{exc}; fetch again") from None
         try:
@@ -252,7 +251,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 self.core.count_sent(len(data))
                 self.metrics.sent(request.lease.site, len(data))
         finally:
-            slot.__exit__(None, None, None)
+            self.core.send_slots.release()
 
     @_refusals_to_status
     def Push(self, request_iterator, context) -> pb.PushReply:

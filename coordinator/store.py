@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from coordinator.theta_file import link_or_copy
 from wire.safetensors_io import file_state_hash, map_tensors, write_tensors
 from wire.tensors import state_hash
 
@@ -98,12 +99,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def place_file(source: Path, target: Path) -> None:
-    """``target`` with ``source``'s bytes, durably: a hard link where the file system allows
-    (``source`` is never written again), else a copy made by the kernel."""
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)
+    """``target`` with ``source``'s bytes (``link_or_copy``), durably."""
+    link_or_copy(source, target)
     fsync_file(target)
 
 

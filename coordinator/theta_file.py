@@ -94,8 +94,17 @@ def write_theta_file(
         tmp.unlink(missing_ok=True)
         raise
     if sha256 is None:
-        sha256 = _payload_digest(path, manifest.total_bytes)
+        sha256 = _payload_digest(path)
     return ThetaFile(path, replace(manifest, sha256=sha256))
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """``target`` with ``source``'s bytes: a hard link where the file system allows (``source``
+    is never written again), else a copy made by the kernel."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def link_theta_file(folder: Path, version: int, saved: Path) -> ThetaFile:
@@ -103,15 +112,12 @@ def link_theta_file(folder: Path, version: int, saved: Path) -> ThetaFile:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"theta-{version:08d}.safetensors"
     path.unlink(missing_ok=True)
-    try:
-        os.link(saved, path)
-    except OSError:
-        shutil.copyfile(saved, path)
+    link_or_copy(saved, path)
     manifest, _, _ = read_header(path)
-    return ThetaFile(path, replace(manifest, sha256=_payload_digest(path, manifest.total_bytes)))
+    return ThetaFile(path, replace(manifest, sha256=_payload_digest(path)))
 
 
-def _payload_digest(path: Path, size: int) -> bytes:
+def _payload_digest(path: Path) -> bytes:
     """SHA-256 of a safetensors file's data section, read a chunk at a time."""
     _, start, _ = read_header(path)
     h = hashlib.sha256()

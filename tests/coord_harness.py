@@ -317,6 +317,19 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.02, what: s
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
+def start_with_metrics(folder: Path, cfg: dict[str, dict]) -> tuple[CoordinatorProcess, str]:
+    """A plaintext coordinator on ``cfg`` in ``folder`` (state, log), serving metrics on a free
+    port: the running process and its metrics address."""
+    coord = CoordinatorProcess(
+        write_config(folder, cfg),
+        Path(folder) / "state",
+        Path(folder) / "coordinator.log",
+        extra_args=("--metrics", "127.0.0.1:0"),
+    )
+    coord.start()
+    return coord, (Path(folder) / "state" / "metrics_address").read_text().strip()
+
+
 def scrape_metrics(address: str) -> dict[tuple[str, tuple], float]:
     """Every Prometheus sample served at ``address``, by (name, sorted labels)."""
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:

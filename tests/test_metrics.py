@@ -21,13 +21,7 @@ def test_the_coordinator_metrics_match_what_the_job_did(tmp_path):
     cfg = h.job_config(strategy=e2e.STRATEGIES["fedavg"])
     folder = tmp_path / "job"
     folder.mkdir()
-    coord = h.CoordinatorProcess(
-        h.write_config(folder, cfg),
-        folder / "state",
-        folder / "coordinator.log",
-        extra_args=("--metrics", "127.0.0.1:0"),
-    )
-    coord.start()
+    coord, address = h.start_with_metrics(folder, cfg)
     hooks = e2e.Hooks()
     for site in e2e.SITES:
         hooks.pause(site, "before_push", 2)
@@ -36,7 +30,6 @@ def test_the_coordinator_metrics_match_what_the_job_did(tmp_path):
     def during(logs):
         for site in e2e.SITES:
             hooks.wait_arrived(site, "before_push", 2)
-        address = (folder / "state" / "metrics_address").read_text().strip()
         seen["metrics"] = h.scrape_metrics(address)
         seen["status"] = h.status(coord.address)
 

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from coord_harness import FAST_BACKOFF, CoordinatorProcess, job_config, scrape_metrics, write_config
+from coord_harness import FAST_BACKOFF, job_config, scrape_metrics, start_with_metrics
 
 from coordinator.receive_slots import GRANT_TTL_S, ReceiveSlots, slots_to_grant
 from site_client.coordinator_client import CoordinatorClient
@@ -78,13 +78,7 @@ def test_one_slot_takes_concurrent_pushes_one_at_a_time(tmp_path, slots):
         rounds={"total": 1, "min_sites": 3, "max_sites": 3, "join_window_s": 5.0},
         server={"listen": "127.0.0.1:0", "workers": 16, "concurrent_uploads": slots},
     )
-    coord = CoordinatorProcess(
-        write_config(tmp_path, cfg),
-        tmp_path / "state",
-        tmp_path / "coordinator.log",
-        extra_args=("--metrics", "127.0.0.1:0"),
-    )
-    coord.start()
+    coord, address = start_with_metrics(tmp_path, cfg)
     pushed, errors = threading.Barrier(4), []
 
     def site(name: str) -> None:
@@ -116,7 +110,6 @@ def test_one_slot_takes_concurrent_pushes_one_at_a_time(tmp_path, slots):
         for t in threads:
             t.start()
         pushed.wait(120)
-        address = (tmp_path / "state" / "metrics_address").read_text().strip()
         m = scrape_metrics(address)
         for t in threads:
             t.join(60)

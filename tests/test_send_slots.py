@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from coord_harness import FAST_BACKOFF, CoordinatorProcess, job_config, scrape_metrics, write_config
+from coord_harness import FAST_BACKOFF, job_config, scrape_metrics, start_with_metrics
 
 from coordinator.send_slots import SendSlots, SlotsBusy, may_send
 from site_client.coordinator_client import CoordinatorClient
@@ -57,13 +57,7 @@ def test_a_fetch_waits_while_another_holds_the_only_slot(tmp_path, slots):
         rounds={"total": 1, "min_sites": 2, "max_sites": 2, "join_window_s": 5.0},
         server={"listen": "127.0.0.1:0", "workers": 16, "concurrent_fetches": slots},
     )
-    coord = CoordinatorProcess(
-        write_config(tmp_path, cfg),
-        tmp_path / "state",
-        tmp_path / "coordinator.log",
-        extra_args=("--metrics", "127.0.0.1:0"),
-    )
-    coord.start()
+    coord, address = start_with_metrics(tmp_path, cfg)
     slow = CoordinatorClient(coord.address, "site-a", backoff=FAST_BACKOFF)
     fast = CoordinatorClient(coord.address, "site-b", backoff=FAST_BACKOFF)
     try:
@@ -75,7 +69,6 @@ def test_a_fetch_waits_while_another_holds_the_only_slot(tmp_path, slots):
         next(stuck)
         done = threading.Event()
         threading.Thread(target=lambda: (fast.fetch(), done.set()), daemon=True).start()
-        address = (tmp_path / "state" / "metrics_address").read_text().strip()
         time.sleep(1.5)
         m = scrape_metrics(address)
         assert m[("isthmus_send_slots", ())] == slots
