@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from coordinator import recovery, streaming
+from coordinator import heap, recovery, streaming
 from coordinator.accumulate import StreamingMean, start_sum
 from coordinator.checkpointing import CheckpointWriter
 from coordinator.close import CloseParts, ClosePipeline
@@ -33,7 +33,7 @@ from coordinator.evaluator import Evaluator, Reports
 from coordinator.events import EventLog, EventSink
 from coordinator.intake import UpdateIntake
 from coordinator.membership import Membership
-from coordinator.receive_slots import ReceiveSlots
+from coordinator.receive_slots import ReceiveSlots, upload_slots
 from coordinator.records import (
     FatalError,
     Published,
@@ -70,7 +70,6 @@ class CoordinatorCore:
         self.store = open_store(cfg.state_dir, cfg.storage)
         self.spool = UpdateSpool(cfg.state_dir / "spool")
         self.uploads = UploadTable(self.spool)
-        self.slots = ReceiveSlots(cfg.server.concurrent_uploads)
         self.send_slots = SendSlots(cfg.server.concurrent_fetches)
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
         streaming.check_start(cfg.streaming, self.strategy)  # before any state is touched
@@ -92,6 +91,17 @@ class CoordinatorCore:
         # With [streaming]: the fragment each round syncs (a plan that cannot be made stops
         # the start here with its ConfigError).
         self.tensors = RoundTensors.of(self.state.theta.tensors, self.trainable, cfg.streaming)
+        self.slots = ReceiveSlots(
+            upload_slots(
+                cfg.server.concurrent_uploads,
+                sum(self.state.theta.tensors[n].numel() * 4 for n in self.trainable),
+                cfg.server.receive_window_bytes,
+            )
+        )
+        if cfg.server.concurrent_uploads is None:
+            log.info(
+                "receiving at most %d uploads at once (sized from the model)", self.slots.capacity
+            )
         self.intake = UpdateIntake(
             self.spool,
             self.uploads,
@@ -447,6 +457,7 @@ class CoordinatorCore:
             yield
         finally:
             self.slots.leave(key)
+            heap.trim()  # the stream's read buffers are free now
 
     def finish_upload(self, upload: Upload, token: int) -> bool:
         """Count a fully received upload; returns False if bytes are still missing."""

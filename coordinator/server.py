@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import logging
 import os
@@ -19,6 +18,7 @@ from coordinator.call_gate import CallGate, CallLimits, method_handlers
 from coordinator.config import JobConfig
 from coordinator.core import CoordinatorCore
 from coordinator.export import Exported, export_model, final_model_path, write_model_card
+from coordinator.heap import return_freed_memory
 from coordinator.job_end import Completion, write_completion
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.records import FatalError
@@ -201,23 +201,6 @@ class CoordinatorServer:
             self.stopped_by = signum
         self.stop_event.set()
         self.core.stopping.set()  # a write waiting for disk space gives up
-
-
-def return_freed_memory() -> None:
-    """Make glibc give large freed blocks back to the system at once.
-
-    The coordinator's buffers come and go in model-sized and chunk-sized (2 MiB) pieces on many
-    threads. glibc raises its mmap threshold after each large free and keeps freed blocks in
-    per-thread arenas, so a process that once held a chunk per stream keeps that memory for
-    good, and its RSS grows with the number of sites. A fixed 1 MiB threshold maps every large
-    block on its own (returned when freed), and two arenas bound the rest. No-op off glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_mmap_threshold, m_arena_max = -3, -8
-    libc.mallopt(m_mmap_threshold, 1 << 20)
-    libc.mallopt(m_arena_max, 2)
 
 
 def final_fetch_owed(live: set[str], last_round: set[str], left: set[str]) -> set[str]:

@@ -15,6 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from coordinator import heap
 from coordinator.auth import AuthError, Authorizer
 from coordinator.core import CoordinatorCore
 from coordinator.metrics import CoordinatorMetrics
@@ -252,6 +253,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 self.metrics.sent(request.lease.site, len(data))
         finally:
             self.core.send_slots.release()
+            heap.trim()  # its chunks are free now
 
     @_refusals_to_status
     def Push(self, request_iterator, context) -> pb.PushReply:
