@@ -8,9 +8,10 @@ last acknowledged byte instead of starting them again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -87,6 +88,18 @@ class CoordinatorClient:
     def close(self) -> None:
         self.channel.close()
         self.control_channel.close()
+
+    @contextlib.contextmanager
+    def upload_connection(self) -> Iterator[BulkStub]:
+        """A connection of its own for one upload's data stream, closed after it. gRPC keeps
+        the buffers a connection received through for as long as the connection lives (at the
+        coordinator, about 3 MB for one that carried an update through an 8 MiB window), so
+        uploads on the long-lived channel would leave that much per site behind."""
+        channel = open_channel(self.address, self.tls, own_connection=True)
+        try:
+            yield BulkStub(channel)
+        finally:
+            channel.close()
 
     def __enter__(self) -> CoordinatorClient:
         return self

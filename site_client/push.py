@@ -116,7 +116,8 @@ class UpdatePush:
             return granted
         self.acked = granted.acked_offset
         self.tries += 1
-        reply = c.bulk.Push(self.frames(self.acked), timeout=c.transfer_timeout_s)
+        with c.upload_connection() as bulk:
+            reply = bulk.Push(self.frames(self.acked), timeout=c.transfer_timeout_s)
         if not reply.complete:
             if self.abort():
                 raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
