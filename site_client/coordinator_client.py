@@ -109,6 +109,15 @@ class CoordinatorClient:
                 self._stream_stubs.append(BulkStub(channel))
             return self._stream_stubs[:streams]
 
+    def connect_streams(self, streams: int, timeout_s: float = 30.0) -> None:
+        """Open the connections of ``streams`` parallel streams now, not at the first transfer
+        that takes them (a benchmark's warm-up: the first transfer would pay the handshakes)."""
+        self.stream_stubs(streams)
+        with self._streams_lock:
+            channels = [self.channel, *self._stream_channels[: streams - 1]]
+        for channel in channels:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+
     def __enter__(self) -> CoordinatorClient:
         return self
 
