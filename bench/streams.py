@@ -1,4 +1,4 @@
-"""How much of a long fat link one TCP stream gets, against K streams and against isthmus.
+"""How much of a long fat link the product's transfers get over K streams, against raw TCP.
 
 ::
 
@@ -9,18 +9,20 @@ On a packet-level emulated WAN (``bench.wan_link``: two network namespaces, a re
 tail-drop bottleneck queue per direction and a one-way delay, cubic, the kernel's stock TCP
 buffers), ``--mib`` MiB cross from namespace a to b over K = 1, 2, 4, 8 raw TCP streams in
 parallel, each carrying 1/K of the bytes; then a real ``coordinator serve`` in b and a site
-client in a fetch theta and push an update of that size over the product's current single
-stream. Efficiency is bytes / (time * rate); times run from the first byte sent to the
-receiver's reply on an open connection, so even a perfect transfer pays one round trip (the
-"ideal" line). Each row is the median of ``--repeats`` runs. Last, the relay's own ceiling:
-no delay and no rate cap. Last line::
+client in a fetch theta of that size over each K (``[transfer] streams``) and push an update of
+that size (one stream). Efficiency is bytes / (time * rate); times run from the first byte sent
+(for the product: the call) to the receiver's reply on an open connection, so even a perfect
+transfer pays one round trip (the "ideal" line). Each row is the median of ``--repeats`` runs.
+Last, the relay's own ceiling: no delay and no rate cap. Last line::
 
-    efficiency_1=... efficiency_best=... best_streams=... raw_tcp_efficiency=...
-    isthmus_push_efficiency=... isthmus_fetch_efficiency=... relay_ceiling_mbit=...
+    efficiency_1=... efficiency_2=... efficiency_4=... efficiency_8=... efficiency_best=...
+    best_streams=... raw_tcp_efficiency=... raw_tcp_efficiency_1=... raw_tcp_efficiency_2=...
+    ... isthmus_push_efficiency=... relay_ceiling_mbit=...
 
-``efficiency_K`` is raw TCP with K streams; ``raw_tcp_efficiency`` is the single raw stream
-(the same run as ``efficiency_1``), the reference for the two isthmus figures. Without root or
-``/dev/net/tun`` it prints why and ends with ``skipped=...``.
+``efficiency_K`` is the product's fetch over K streams, ``efficiency_best`` the best of them
+at ``best_streams``; ``raw_tcp_efficiency`` is the single raw TCP stream (the reference) and
+``raw_tcp_efficiency_K`` raw TCP with K streams. Without root or ``/dev/net/tun`` it prints why
+and ends with ``skipped=...``.
 """
 
 from __future__ import annotations
@@ -67,20 +69,26 @@ def raw_tcp(link: WanLink, streams: int, total: int, port: int) -> dict:
     }
 
 
-def isthmus(link: WanLink, folder: Path, mib: float, rounds: int) -> dict[str, list[dict]]:
-    """The product's fetch and push, one of each per round, with the job's drops."""
+def isthmus(
+    link: WanLink, folder: Path, mib: float, rounds: int, streams: list[int]
+) -> dict[tuple[str, int], list[dict]]:
+    """The product's fetch over each of ``streams`` and its push, per round, with the job's
+    drops: ``{("fetch", K): runs, ("push", 1): runs}``."""
     before = link.stats()
     counters = {s: link.tcp_counters(s) for s in "ab"}
-    timings = streams_isthmus.run(link, folder, mib, rounds)
+    timings = streams_isthmus.run(link, folder, mib, rounds, streams)
     after = link.stats()
+    runs = {("fetch", int(k)): v for k, v in timings["fetch"].items()}
+    runs[("push", 1)] = timings["push"]
     out = {}
-    # Fetch data flows b -> a and push data a -> b: each direction's drops belong to one kind.
-    for kind, direction, sender in (("fetch", "b_to_a", "b"), ("push", "a_to_b", "a")):
+    # Fetch data flows b -> a and push data a -> b: each direction's drops belong to one kind
+    # (summed over the kind's runs: the counters are read once around the whole job).
+    for key, timed in runs.items():
+        direction, sender = ("b_to_a", "b") if key[0] == "fetch" else ("a_to_b", "a")
         dropped = _delta(after[direction], before[direction], "dropped")
         retrans = _delta(link.tcp_counters(sender), counters[sender], "RetransSegs")
-        out[kind] = [
-            {"seconds": s, "bytes": n, "dropped": dropped, "retrans": retrans}
-            for s, n in timings[kind]
+        out[key] = [
+            {"seconds": s, "bytes": n, "dropped": dropped, "retrans": retrans} for s, n in timed
         ]
     return out
 
@@ -131,7 +139,8 @@ def header(args, link: WanLink, rtt_s: float, congestion: str) -> list[str]:
         "efficiency = bytes / (seconds * rate)",
         "dropped: at the bottleneck; retrans: the sender's TCP; spread: the last stream's end "
         "minus the first's;",
-        "for isthmus, dropped and retrans count the whole job's traffic in that direction",
+        "for isthmus, dropped and retrans count the whole job's traffic in that direction "
+        "(every K)",
     ]
 
 
@@ -146,11 +155,10 @@ def report(args, lines: list[str], rows: dict, ceiling: dict[int, dict]) -> str:
     )
     for k, s in raw.items():
         print(_row("raw TCP, K streams", k, s))
-    product = {}
-    for kind, label in (("fetch", "isthmus fetch (theta)"), ("push", "isthmus push (update)")):
-        if kind in rows:
-            product[kind] = summary(rows[kind], rate)["efficiency"]
-            print(_row(label, 1, summary(rows[kind], rate)))
+    labels = {"fetch": "isthmus fetch (theta)", "push": "isthmus push (update)"}
+    product = {key: summary(runs, rate) for key, runs in rows.items() if isinstance(key, tuple)}
+    for (kind, k), s in sorted(product.items()):
+        print(_row(labels[kind], k, s))
     print("\nrelay ceiling (0 ms, no rate cap, the same relay and MTU):")
     top = 0.0
     for k, runs in ceiling.items():
@@ -158,15 +166,22 @@ def report(args, lines: list[str], rows: dict, ceiling: dict[int, dict]) -> str:
         top = max(top, s["mbit"])
         pps = statistics.median(r["packets_per_s"] for r in runs)
         print(f"  {k} stream(s): {s['mbit']:.0f} Mbit/s, {pps:.0f} packets/s through the relay")
-    best = max(raw, key=lambda k: raw[k]["efficiency"])
-    keys = [f"efficiency_{k}={raw[k]['efficiency']:.3f}" for k in sorted(raw)]
-    keys += [f"efficiency_best={raw[best]['efficiency']:.3f}", f"best_streams={best}"]
+    return " ".join([*closing_keys(raw, product), f"relay_ceiling_mbit={top:.0f}"])
+
+
+def closing_keys(raw: dict[int, dict], product: dict[tuple[str, int], dict]) -> list[str]:
+    """The last line's figures: the product's fetch per K and its best, raw TCP per K."""
+    fetch = {k: s["efficiency"] for (kind, k), s in product.items() if kind == "fetch"}
+    keys = [f"efficiency_{k}={fetch[k]:.3f}" for k in sorted(fetch)]
+    if fetch:
+        best = max(fetch, key=fetch.get)
+        keys += [f"efficiency_best={fetch[best]:.3f}", f"best_streams={best}"]
     keys.append(f"raw_tcp_efficiency={raw[min(raw)]['efficiency']:.3f}")
-    keys += [
-        f"isthmus_{k}_efficiency={product.get(k, float('nan')):.3f}" for k in ("push", "fetch")
-    ]
-    keys.append(f"relay_ceiling_mbit={top:.0f}")
-    return " ".join(keys)
+    keys += [f"raw_tcp_efficiency_{k}={raw[k]['efficiency']:.3f}" for k in sorted(raw)]
+    push = product.get(("push", 1))
+    if push is not None:
+        keys.append(f"isthmus_push_efficiency={push['efficiency']:.3f}")
+    return keys
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -174,7 +189,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--delay-ms", type=float, default=40.0, help="one-way delay, each direction")
     p.add_argument("--rate-mbit", type=float, default=200.0, help="bottleneck rate")
     p.add_argument("--mib", type=float, default=64.0, help="payload per transfer")
-    p.add_argument("--streams", default="1,2,4,8", help="raw TCP stream counts")
+    p.add_argument("--streams", default="1,2,4,8", help="stream counts, raw TCP and fetch")
     p.add_argument("--queue-kib", type=float, help="bottleneck queue (default: 1 BDP)")
     p.add_argument("--repeats", type=int, default=3, help="runs per row (the median is shown)")
     p.add_argument("--mtu", type=int, default=1500)
@@ -189,6 +204,7 @@ def measure(link: WanLink, args, folder: Path) -> tuple[list[str], dict, dict]:
     total = int(args.mib * 2**20)
     plan = [("tcp", int(k)) for k in args.streams.split(",")] * args.repeats  # interleaved
     plan += [] if args.no_isthmus else [("isthmus", args.repeats)]
+    streams = [int(k) for k in args.streams.split(",")]
     plan += [("ceiling", 1), ("ceiling", 4)]
     names = {"tcp": "raw TCP, {} stream(s)", "isthmus": "isthmus: {} fetch + push rounds"}
     names["ceiling"] = "relay ceiling (no delay, no cap), {} stream(s)"
@@ -199,7 +215,7 @@ def measure(link: WanLink, args, folder: Path) -> tuple[list[str], dict, dict]:
         if kind == "tcp":
             rows.setdefault(n, []).append(raw_tcp(link, n, total, PORT + i))
         elif kind == "isthmus":
-            rows.update(isthmus(link, folder / "isthmus", args.mib, n))
+            rows.update(isthmus(link, folder / "isthmus", args.mib, n, streams))
         else:
             if not lines:  # the link as it was, before the relay is uncapped
                 raw = [r for k, v in rows.items() if isinstance(k, int) for r in v]

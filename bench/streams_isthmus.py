@@ -2,10 +2,12 @@
 
 The site is a lightweight client speaking the real protocol (``CoordinatorClient``, as in
 ``bench.scale``), plaintext: TLS changes the CPU cost, not what the link does to one stream.
-Each round it fetches theta_r whole and pushes a float32 update of the same size; both calls are
-timed from the client, on the channel ``join`` already opened, so the figures compare with a
-raw TCP stream's first byte to receipt (``bench.streams_tcp``). The job is DiLoCo on a
-residual Linear stack of about the requested size, one site, ``rounds`` rounds.
+Each round it fetches theta_r whole once over each of the stream counts asked for
+(``[transfer] streams``: the job allows the largest, the client takes each in turn) and pushes a
+float32 update of the same size; every call is timed from the client, on connections opened
+before the first round, so the figures compare with a raw TCP stream's first byte to receipt
+(``bench.streams_tcp``). The job is DiLoCo on a residual Linear stack of about the requested
+size, one site, ``rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -26,26 +28,32 @@ def model_shape(mib: float) -> tuple[int, int]:
     return max(8, round(math.sqrt(mib * 2**20 / 4 / DEPTH))), DEPTH
 
 
-def site(address: str, width: int, depth: int, rounds: int) -> dict:
-    """In namespace a: join, then per round fetch theta_r and push an update; the timings."""
+def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) -> dict:
+    """In namespace a: join, then per round fetch theta_r over each of ``streams`` and push an
+    update; the timings, ``{"fetch": {"K": [(s, bytes)...]}, "push": [...]}``."""
     import torch
 
     from bench.sync import residual_stack
     from site_client.coordinator_client import CoordinatorClient
     from site_client.update_payload import payload_of
     from wire.tensors import pack
+    from wire.transfer import TransferConfig
 
     like = residual_stack(width, depth).state_dict()
     payload = payload_of(*pack({n: torch.full_like(t, 1e-3) for n, t in like.items()}))
-    fetches, pushes = [], []
+    fetches: dict[str, list] = {str(k): [] for k in streams}
+    pushes = []
     with CoordinatorClient(address, "site-0", transfer_timeout_s=600) as client:
         client.join()
+        client.connect_streams(max(streams))
         for r in range(rounds):
             client.wait_for_round(r - 1, poll_s=0.2)
-            before = client.bytes_received
-            t = time.monotonic()
-            client.fetch()  # theta_r, whole
-            fetches.append((time.monotonic() - t, client.bytes_received - before))
+            for k in streams:
+                client.transfer = TransferConfig(streams=k)
+                before = client.bytes_received
+                t = time.monotonic()
+                client.fetch()  # theta_r, whole
+                fetches[str(k)].append((time.monotonic() - t, client.bytes_received - before))
             t = time.monotonic()
             client.push(r, payload, base_version=r)
             pushes.append((time.monotonic() - t, payload.total_bytes))
@@ -53,31 +61,33 @@ def site(address: str, width: int, depth: int, rounds: int) -> dict:
     return {"fetch": fetches, "push": pushes}
 
 
-def _job(folder: Path, listen: str, width: int, depth: int, rounds: int) -> Path:
+def _job(folder: Path, listen: str, width: int, depth: int, rounds: int, streams: int) -> Path:
     from bench.sync_run import job_config
 
     timeouts = {"heartbeat_interval_s": 2.0, "lease_ttl_s": 120.0}
     text = job_config(width, depth, rounds, 1, "fp32", timeouts)
     text = text.replace("min_sites = 2", "min_sites = 1").replace("max_sites = 2", "max_sites = 1")
     text = text.replace('listen = "127.0.0.1:0"', f'listen = "{listen}:0"')
+    text += f"\n[transfer]\nstreams = {streams}\n"
     (folder / "job.toml").write_text(text)
     return folder / "job.toml"
 
 
-def run(link: WanLink, folder: Path, mib: float, rounds: int) -> dict:
-    """Serve a job in b, run ``site`` in a; ``{"fetch": [(s, bytes)...], "push": [...]}``."""
+def run(link: WanLink, folder: Path, mib: float, rounds: int, streams: list[int]) -> dict:
+    """Serve a job in b, run ``site`` in a; what ``site`` returns."""
     from bench.sync_run import _env, _wait_address
 
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     width, depth = model_shape(mib)
-    config = _job(folder, link.addr_b, width, depth, rounds)
+    config = _job(folder, link.addr_b, width, depth, rounds, max(streams))
     log = open(folder / "coordinator.log", "w")  # noqa: SIM115 - the child's
     cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(config), "--insecure"]
     coord = link.popen_in("b", cmd, env=_env(), stdout=log, stderr=log)
     try:
         address = _wait_address(folder / "state" / "address", coord)
-        result = link.call_in("a", "bench.streams_isthmus:site", address, width, depth, rounds)
+        args = (address, width, depth, rounds, list(streams))
+        result = link.call_in("a", "bench.streams_isthmus:site", *args)
         coord.wait(timeout=120)  # the job is done once the site has left
     except Exception as exc:
         raise RuntimeError(f"isthmus on the link failed ({exc}); see {folder}") from exc

@@ -35,6 +35,7 @@ from coordinator.auth import AuthError, Authorizer
 from coordinator.watchdog import CallWatchdog
 from wire import bulk
 from wire.proto import isthmus_pb2 as pb
+from wire.transfer import TransferConfig
 
 log = logging.getLogger("isthmus.coordinator")
 
@@ -45,14 +46,21 @@ COORDINATOR = "isthmus.v1.Coordinator"
 class CallLimits:
     """How many calls of each kind one certificate may have open at once.
 
-    An honest site has at most one heartbeat or join, one round watch, one fetch and one push
-    in flight; the limits leave room for a retry overlapping a call the site gave up on."""
+    An honest site has at most one heartbeat or join, one round watch, one fetch per transfer
+    stream and one push in flight; the limits leave room for a retry overlapping a call the
+    site gave up on."""
 
     control: int = 4  # Join, Heartbeat, Leave
     wait: int = 2  # WaitRound (a long poll)
     fetch: int = 2
     push: int = 2
     status: int = 4  # operators: Status, Drain
+
+    @classmethod
+    def for_transfer(cls, transfer: TransferConfig) -> CallLimits:
+        """The limits for a job whose fetches take ``transfer.streams`` (K) streams each: K
+        fetch streams, and room for a retry of each."""
+        return cls(fetch=2 * transfer.streams)
 
     def of(self, kind: str) -> int:
         return getattr(self, kind)

@@ -10,8 +10,8 @@ written once (read by ``wire.config_table.load_table``): ``[model]`` in
 ``coordinator.rounds``, ``[timeouts]`` in ``coordinator.failure_detector``, ``[speculation]`` in
 ``coordinator.speculation``, ``[compression]`` in ``wire.codecs.rules``, ``[events]`` in
 ``coordinator.event_history``, ``[evaluation]`` in ``coordinator.evaluation``,
-``[streaming]`` in ``wire.fragments``, ``[health]`` in ``wire.health`` and ``[storage]`` in
-``coordinator.storage``. The rest are here,
+``[streaming]`` in ``wire.fragments``, ``[health]`` in ``wire.health``, ``[storage]`` in
+``coordinator.storage`` and ``[transfer]`` in ``wire.transfer``. The rest are here,
 with the rules that span tables.
 
 With ``[streaming]`` (P fragments) each coordinator round syncs one fragment and covers
@@ -78,6 +78,9 @@ Example::
 
     [storage]                # optional: checkpoints in S3-compatible object storage
     url = "s3://bucket/prefix"   # "" (the default): the local state folder
+
+    [transfer]               # optional: large transfers over parallel streams
+    streams = 4              # 1..8 (1, the default: one stream per transfer)
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ from wire.config_table import (
 )
 from wire.fragments import StreamingConfig, streaming_from_job
 from wire.health import HealthConfig, health_from_job
+from wire.transfer import TransferConfig, transfer_from_job
 
 __all__ = [
     "AggregationConfig",
@@ -129,6 +133,7 @@ __all__ = [
     "StorageConfig",
     "StreamingConfig",
     "TimeoutsConfig",
+    "TransferConfig",
     "load_config",
     "parse_config",
 ]
@@ -149,6 +154,7 @@ SECTIONS = (
     "streaming",
     "health",
     "storage",
+    "transfer",
 )
 DATA_MODES = ("federated", "shared")
 
@@ -232,6 +238,8 @@ class JobConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     # Where checkpoints live: the local state folder unless ``url`` names an object store.
     storage: StorageConfig = field(default_factory=StorageConfig)
+    # How many streams one large fetch (or push) may take at once; the call limits follow it.
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
     @property
     def outer_inner_steps(self) -> int:
@@ -296,6 +304,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         rounds if streaming is not None else None,
         health_from_job(data),
         load_table(StorageConfig, data.get("storage", {}), "storage"),
+        transfer_from_job(data),
     )
 
 

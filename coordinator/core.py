@@ -53,6 +53,7 @@ from coordinator.theta_files import ThetaFiles
 from coordinator.uploads import Upload, UploadTable
 from strategies import RobustAggregator, load_strategy
 from wire.health import Probe
+from wire.transfer import range_problem
 
 log = logging.getLogger("isthmus.coordinator")
 WAIT_ROUND_CAP_S = 60.0
@@ -399,9 +400,12 @@ class CoordinatorCore:
 
     # ---- theta downlink -------------------------------------------------------------------
 
-    def fetch(self, site, token, version, offset, from_version=None) -> tuple[Published, bool]:
+    def fetch(
+        self, site, token, version, offset, from_version=None, length=None
+    ) -> tuple[Published, bool]:
         """What to stream: the published theta and whether to serve it as the delta from
-        ``from_version`` (only when that is the version the delta starts from)."""
+        ``from_version`` (only when that is the version the delta starts from); the bytes
+        ``[offset, offset + length)`` of it must exist (``length`` None: to the end)."""
         with self._locked() as s:
             self.members.check(site, token, self.clock())
             pub = s.published
@@ -412,8 +416,8 @@ class CoordinatorCore:
             )
         as_delta = from_version is not None and from_version == pub.delta_from
         total = pub.delta_manifest.total_bytes if as_delta else pub.manifest.total_bytes
-        if not 0 <= offset <= total:
-            raise Refused("invalid", f"offset {offset} outside the {total}-byte payload")
+        if problem := range_problem(offset, length, total):
+            raise Refused("invalid", f"fetch: {problem}")
         return pub, as_delta
 
     def count_sent(self, n: int) -> None:

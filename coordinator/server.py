@@ -66,7 +66,7 @@ class CoordinatorServer:
         # for up to a minute). The gate bounds what each certificate may hold open, so enough
         # workers for every site's share, and a few operators', leaves threads for heartbeats
         # however one caller behaves.
-        limits = CallLimits()
+        limits = CallLimits.for_transfer(cfg.transfer)
         workers = max(cfg.server.workers, (cfg.rounds.max_sites + 4) * limits.per_caller() + 8)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers),

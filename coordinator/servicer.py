@@ -224,23 +224,26 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 yield chunk_frame(*part)
 
     def _fetch_parts(self, request: pb.FetchRequest, context):
-        """The header, then ``(offset, bytes)`` chunks from the requested offset, once a send
-        slot is free (``coordinator.send_slots``)."""
+        """The header, then ``(offset, bytes)`` chunks from the requested offset (to the end,
+        or of the requested ``length``), once a send slot is free (``coordinator.send_slots``)."""
         self._auth(context, "site", request.lease.site)
         refuse_unknown_fields(request)
         version = request.version if request.HasField("version") else None
         held = request.from_version if request.HasField("from_version") else None
+        length = request.length if request.HasField("length") else None
+        start = request.offset
         pub, as_delta = self.core.fetch(
-            request.lease.site, request.lease.token, version, request.offset, held
+            request.lease.site, request.lease.token, version, start, held, length
         )
         header = pb.FetchHeader(version=pub.version, theta_hash=pub.theta_hash)
+        stop = None if length is None else start + length  # in range: checked by the core
         if as_delta:
             header.from_version = pub.delta_from
             header.manifest.CopyFrom(pub.delta_manifest.to_proto())
-            chunks = iter_chunks(pub.delta_payload, self.chunk_bytes, start=request.offset)
+            chunks = iter_chunks(pub.delta_payload, self.chunk_bytes, start, stop)
         else:
             header.manifest.CopyFrom(pub.manifest.to_proto())
-            chunks = pub.payload.chunks(self.chunk_bytes, start=request.offset)
+            chunks = pub.payload.chunks(self.chunk_bytes, start, stop)
         try:
             self.core.send_slots.acquire()
         except SlotsBusy as exc:

@@ -167,12 +167,17 @@ class ThetaSource:
     def __len__(self) -> int:
         return self.size
 
-    def chunks(self, chunk_bytes: int, start: int = 0) -> Iterator[tuple[int, bytes]]:
-        """``(offset, bytes)`` pieces from ``start`` on."""
-        if not 0 <= start <= self.size:
-            raise ValueError(f"resume offset {start} outside the {self.size}-byte payload")
-        for offset in range(start, self.size, chunk_bytes):
-            yield offset, self._read(offset, min(chunk_bytes, self.size - offset))
+    def chunks(
+        self, chunk_bytes: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[tuple[int, bytes]]:
+        """``(offset, bytes)`` pieces of the bytes ``[start, stop)`` (``stop`` None: the end)."""
+        stop = self.size if stop is None else stop
+        if not 0 <= start <= stop <= self.size:
+            raise ValueError(
+                f"resume offset {start} or end {stop} outside the {self.size}-byte payload"
+            )
+        for offset in range(start, stop, chunk_bytes):
+            yield offset, self._read(offset, min(chunk_bytes, stop - offset))
 
     def _read(self, offset: int, size: int) -> bytes:
         # A copy, never a view: a stream suspended between chunks (flow control, a slow site)

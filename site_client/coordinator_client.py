@@ -32,6 +32,7 @@ from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.tensors import pack, pack_encoded
 from wire.tls_probe import TlsProblem, diagnose, looks_like_tls
+from wire.transfer import TransferConfig, transfer_from_toml
 
 # Re-exported: callers import the whole client API from this module.
 __all__ = ["CoordinatorClient", "CoordinatorError", "GlobalState", "PushAborted"]
@@ -83,11 +84,40 @@ class CoordinatorClient:
         self.join_reply: pb.JoinReply | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
+        # [transfer] of the job config the coordinator hands over on join: how many streams
+        # one large fetch takes. Each stream beyond the first has a connection of its own.
+        self.transfer = TransferConfig()
+        self._stream_channels: list[grpc.Channel] = []
+        self._stream_stubs = [self.bulk]
+        self._streams_lock = threading.Lock()
+        self._join_lock = threading.Lock()
         self.theta = ThetaFetcher(self)
 
     def close(self) -> None:
         self.channel.close()
         self.control_channel.close()
+        for channel in self._stream_channels:
+            channel.close()
+
+    def stream_stubs(self, streams: int) -> list[BulkStub]:
+        """Bulk stubs for ``streams`` parallel streams, each on a TCP connection of its own
+        (one connection would carry them all through one congestion window). Opened on first
+        use and kept, so later transfers start on warm connections."""
+        with self._streams_lock:
+            while len(self._stream_stubs) < streams:
+                channel = open_channel(self.address, self.tls, own_connection=True)
+                self._stream_channels.append(channel)
+                self._stream_stubs.append(BulkStub(channel))
+            return self._stream_stubs[:streams]
+
+    def connect_streams(self, streams: int, timeout_s: float = 30.0) -> None:
+        """Open the connections of ``streams`` parallel streams now, not at the first transfer
+        that takes them (a benchmark's warm-up: the first transfer would pay the handshakes)."""
+        self.stream_stubs(streams)
+        with self._streams_lock:
+            channels = [self.channel, *self._stream_channels[: streams - 1]]
+        for channel in channels:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
 
     @contextlib.contextmanager
     def upload_connection(self) -> Iterator[BulkStub]:
@@ -121,14 +151,19 @@ class CoordinatorClient:
         def attempt():
             if self.left and describe not in ("join", "status"):
                 raise CoordinatorError(None, f"{describe}: this site has left the job")
-            if self.lease is None and describe not in ("join", "status"):
-                self._join_once()
+            if describe not in ("join", "status"):
+                self._ensure_joined()
+            used = self.lease
             try:
                 return fn()
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED and describe != "join":
                     log.warning("%s: %s; re-joining", describe, exc.details())
-                    self.lease = None
+                    # Only the lease this call was fenced under: a call of another stream may
+                    # have joined again meanwhile, and its lease is good.
+                    with self._join_lock:
+                        if self.lease is used:
+                            self.lease = None
                 raise
 
         def retryable(exc: BaseException) -> bool:
@@ -181,6 +216,12 @@ class CoordinatorClient:
 
     # ---- membership -----------------------------------------------------------------------
 
+    def _ensure_joined(self) -> None:
+        """Join if no lease is held; of several threads finding none, one joins."""
+        with self._join_lock:
+            if self.lease is None:
+                self._join_once()
+
     def _join_once(self) -> pb.JoinReply:
         reply = self.stub.Join(
             pb.JoinRequest(
@@ -192,6 +233,7 @@ class CoordinatorClient:
             timeout=self.rpc_timeout_s,
         )
         self.lease, self.join_reply = reply.lease, reply
+        self.transfer = transfer_from_toml(reply.job_config)
         log.info(
             "joined as %s (token %d) at round %d", self.site, reply.lease.token, reply.round.round
         )

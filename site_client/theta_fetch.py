@@ -12,6 +12,10 @@ its state hash is not computed again; a rebuilt one is always hashed.
 
 Every byte received is reported to a new ``TransferProgress`` per fetch (a bar on a terminal, a
 log line now and then elsewhere, for a long fetch only); ``new_progress`` makes it.
+
+With ``[transfer] streams`` K > 1 the payload comes over K streams at once
+(``site_client.parallel_fetch``) into the same sinks, written at each piece's offset; what is
+done with it then is the same.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import grpc
 import torch
 
 from site_client.errors import CoordinatorError
+from site_client.parallel_fetch import ParallelFetch, fetch_label
 from site_client.transfer_progress import TransferProgress
 from wire.bulk import parse_chunk
 from wire.chunking import BufferSink, ChunkError, Reassembler
@@ -46,7 +51,8 @@ class GlobalState:
 
 
 class _MappedSink:
-    """Writes a stream, in order, into a new mapped file's data section."""
+    """Writes a stream into a new mapped file's data section: in order (``write``), or each
+    piece at its offset (``write_at``, a parallel fetch)."""
 
     def __init__(self, file: MappedTensors) -> None:
         self.file = file
@@ -58,6 +64,12 @@ class _MappedSink:
         self.view[self.pos : self.pos + n] = data
         self.pos += n
         return n
+
+    def write_at(self, offset: int, data) -> None:
+        self.view[offset : offset + len(data)] = data
+
+    def payload_view(self) -> memoryview:
+        return self.view
 
 
 def _sink_for(manifest: Manifest, delta: bool, dest: Path | None):
@@ -130,8 +142,21 @@ class ThetaFetcher:
         return GlobalState(header.version, file.tensors, header.theta_hash, dest, file)
 
     def _fetch_payload(self, version: int | None, held: GlobalState | None, dest: Path | None):
-        c = self.client
+        """``(manifest, sink, header)`` of the payload, over one stream or ``[transfer]
+        streams`` of them."""
         from_version = held.version if held is not None else None
+        if self.client.transfer.streams == 1:
+            return self._fetch_single(version, from_version, dest)
+        return ParallelFetch(
+            self.client,
+            version,
+            from_version,
+            self.new_progress(),
+            lambda manifest, delta: _sink_for(manifest, delta, dest),
+        ).run()
+
+    def _fetch_single(self, version: int | None, from_version: int | None, dest: Path | None):
+        c = self.client
         st: dict = {"manifest": None, "sink": None, "asm": None, "header": None}
         progress = self.new_progress()
 
@@ -172,7 +197,7 @@ class ThetaFetcher:
                 if offset:
                     raise ChunkError("the coordinator moved to a new payload; restarting")
             # A resumed stream starts at what arrived before the break, not at 0.
-            progress.start(_fetch_label(header), manifest.total_bytes, offset)
+            progress.start(fetch_label(header), manifest.total_bytes, offset)
             for frame in frames:
                 chunk_offset, data = parse_chunk(frame)
                 st["asm"].add(chunk_offset, data)
@@ -188,8 +213,3 @@ class ThetaFetcher:
         finally:
             progress.finish(complete)
         return st["manifest"], st["sink"], st["header"]
-
-
-def _fetch_label(header: pb.FetchHeader) -> str:
-    delta = f" (delta from v{header.from_version})" if header.HasField("from_version") else ""
-    return f"fetch theta v{header.version}{delta}"

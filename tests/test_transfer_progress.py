@@ -28,6 +28,7 @@ from wire.bulk import chunk_frame, parse_chunk
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
 from wire.tensors import pack, state_hash
+from wire.transfer import TransferConfig
 
 MB = 1_000_000
 
@@ -210,6 +211,7 @@ class FakeFetchClient:
         self.lease = pb.Lease(site="site-0", token=1)
         self.transfer_timeout_s, self.bytes_received = 10.0, 0
         self.bulk, self.offsets = self, []
+        self.transfer = TransferConfig()  # one stream
 
     def call(self, describe: str, fn):
         for _ in range(3):  # retried like ``CoordinatorClient.call``, without the waits

@@ -29,18 +29,24 @@ class Sink(Protocol):
 
 
 def iter_chunks(
-    payload: bytes | bytearray | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES, start: int = 0
+    payload: bytes | bytearray | memoryview,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    start: int = 0,
+    stop: int | None = None,
 ) -> Iterator[tuple[int, memoryview]]:
-    """Yield ``(offset, bytes)`` pieces of ``payload`` from ``start`` on."""
+    """Yield ``(offset, bytes)`` pieces of ``payload[start:stop]`` (``stop`` None: the end)."""
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(
             f"chunk size {chunk_bytes} outside {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES} bytes"
         )
     view = memoryview(payload).cast("B")
-    if not 0 <= start <= len(view):
-        raise ValueError(f"resume offset {start} outside the {len(view)}-byte payload")
-    for offset in range(start, len(view), chunk_bytes):
-        yield offset, view[offset : offset + chunk_bytes]
+    stop = len(view) if stop is None else stop
+    if not 0 <= start <= stop <= len(view):
+        raise ValueError(
+            f"resume offset {start} or end {stop} outside the {len(view)}-byte payload"
+        )
+    for offset in range(start, stop, chunk_bytes):
+        yield offset, view[offset : min(offset + chunk_bytes, stop)]
 
 
 class Reassembler:
@@ -116,7 +122,8 @@ class Reassembler:
 
 
 class BufferSink:
-    """A sink writing into a preallocated ``bytearray``."""
+    """A sink writing into a preallocated ``bytearray``: in order (``write``), or each piece
+    at its offset (``write_at``: the pieces of a transfer over parallel streams)."""
 
     def __init__(self, size: int) -> None:
         self.buffer = bytearray(size)
@@ -127,3 +134,10 @@ class BufferSink:
         self.buffer[self._pos : self._pos + n] = data
         self._pos += n
         return n
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+        # Through a memoryview: a slice of the wrong length is refused, never resizes.
+        memoryview(self.buffer)[offset : offset + len(data)] = data
+
+    def payload_view(self) -> memoryview:
+        return memoryview(self.buffer)

@@ -236,8 +236,11 @@ class CaseChecks:
             if m.HasField("header") or m.chunk.offset != offset + len(data):
                 return "chunks out of order"
             data += m.chunk.data
-        if bytes(data) != payload[offset:]:
-            return f"{len(data)} bytes served from offset {offset} differ from theta's payload"
+        end = offset + request.length if request.HasField("length") else len(payload)
+        if bytes(data) != payload[offset:end]:
+            return (
+                f"{len(data)} bytes served for [{offset}, {end}) differ from theta's payload there"
+            )
         return None
 
     def check_state(self, case: Case, label: str, details: str) -> None:

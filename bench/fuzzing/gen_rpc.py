@@ -120,10 +120,19 @@ class RpcCases:
             st.sampled_from([0, 0, total, total + 1, U64_MAX]) | st.integers(0, total) | U64
         )
         ops.append(f"offset({req.offset})")
+        if data.draw(st.booleans()):  # a ranged fetch ([transfer] streams > 1)
+            req.length = data.draw(
+                st.sampled_from([1, 0, total, total - min(req.offset, total), total + 1, U64_MAX])
+                | st.integers(0, total)
+                | U64
+            )
+            ops.append(f"length({req.length})")
         ok = (
             self._lease_verdict(lease) == "accept"
             and (not req.HasField("version") or req.version == self.r)
             and req.offset <= total
+            # A range holds at least one byte and ends inside the payload.
+            and (not req.HasField("length") or 0 < req.length <= total - req.offset)
         )
         return Case("", "Fetch", req, ops=ops, verdict="accept" if ok else "refuse")
 

@@ -203,16 +203,18 @@ class WaitRoundReply(_message.Message):
     def __init__(self, round: _Optional[_Union[RoundInfo, _Mapping]] = ..., commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("lease", "version", "from_version", "offset")
+    __slots__ = ("lease", "version", "from_version", "offset", "length")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     version: int
     from_version: int
     offset: int
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., version: _Optional[int] = ..., from_version: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    length: int
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., version: _Optional[int] = ..., from_version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class FetchHeader(_message.Message):
     __slots__ = ("version", "from_version", "theta_hash", "manifest")

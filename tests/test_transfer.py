@@ -1,0 +1,146 @@
+"""Parallel transfers, the pure parts: the ``[transfer]`` table, pieces, ranges, the checks a
+site makes on every stream of a parallel fetch (``wire/transfer.py``,
+``site_client/fetch_pieces.py``)."""
+
+from __future__ import annotations
+
+import pytest
+from test_config import VALID, _error, _write
+
+from coordinator.config import load_config
+from site_client.fetch_pieces import PieceQueue, chunk_problem, header_problem
+from wire.chunking import MAX_CHUNK_BYTES
+from wire.config_table import ConfigError
+from wire.proto import isthmus_pb2 as pb
+from wire.transfer import (
+    MIN_CHUNKS_PER_STREAM,
+    PIECES_PER_STREAM,
+    Piece,
+    TransferConfig,
+    plan_pieces,
+    range_problem,
+    transfer_from_job,
+    transfer_from_toml,
+)
+
+MB = 1 << 20
+
+
+@pytest.mark.parametrize("total", [8 * MB, 64 * MB, 64 * MB + 17, 1000 * MB + 3, 33 * MB - 1])
+@pytest.mark.parametrize("streams", [2, 3, 4, 8])
+def test_pieces_are_whole_chunks_covering_the_payload_once(total, streams):
+    pieces = plan_pieces(total, 2 * MB, streams)
+    assert pieces[0].offset == 0 and pieces[-1].end == total
+    assert all(a.end == b.offset for a, b in zip(pieces, pieces[1:], strict=False))
+    assert all(p.offset % (2 * MB) == 0 and p.length > 0 for p in pieces)
+    chunks = -(-total // (2 * MB))
+    parallel = chunks >= MIN_CHUNKS_PER_STREAM * streams
+    assert len(pieces) == (min(chunks, PIECES_PER_STREAM * streams) if parallel else 1)
+    sizes = {p.length for p in pieces[:-1]} or {total}
+    assert max(sizes) - min(sizes) <= 2 * MB  # even, to a chunk
+
+
+def test_a_small_payload_or_one_stream_is_one_piece_and_nothing_is_none():
+    assert plan_pieces(5 * MB, 2 * MB, 2) == [Piece(0, 5 * MB)]  # 3 chunks
+    assert plan_pieces(7 * MB, 2 * MB, 2)[-1] == Piece(6 * MB, MB)  # 4 chunks: 4 pieces
+    assert plan_pieces(13 * MB, 2 * MB, 4) == [Piece(0, 13 * MB)]  # under 2 chunks a stream
+    assert plan_pieces(64 * MB, 2 * MB, 1) == [Piece(0, 64 * MB)]
+    assert plan_pieces(0, 2 * MB, 4) == []
+
+
+@pytest.mark.parametrize(
+    "offset, length, words",
+    [
+        (0, None, None),
+        (100, None, None),  # the empty tail: allowed, as a resumed stream's end
+        (0, 100, None),
+        (99, 1, None),
+        (101, None, "offset 101 outside the 100-byte payload"),
+        (0, 0, "at least one byte of the 100-byte payload"),
+        (50, 51, "range [50, 50 + 51) runs past the end of the 100-byte payload"),
+        (100, 1, "runs past the end"),
+        (1, 2**64 - 1, "runs past the end"),  # would wrap around in 64 bits
+        (2**64 - 1, 1, "outside the"),
+    ],
+)
+def test_range_rules(offset, length, words):
+    problem = range_problem(offset, length, 100)
+    assert problem is None if words is None else words in problem
+
+
+def _header(**over) -> pb.FetchHeader:
+    fields = {"version": 3, "theta_hash": b"\x07" * 32, **over}
+    h = pb.FetchHeader(**fields)
+    h.manifest.total_bytes, h.manifest.sha256 = 10 * MB, b"\x09" * 32
+    return h
+
+
+def test_a_header_must_equal_the_first_streams():
+    first = _header()
+    assert header_problem(first, _header()) is None
+    assert "version 4" in header_problem(first, _header(version=4))
+    assert "theta hash 080808" in header_problem(first, _header(theta_hash=b"\x08" * 32))
+    assert "delta base 2" in header_problem(first, _header(from_version=2))
+    assert "theta whole" in header_problem(_header(from_version=2), first)
+    assert "delta base 1" in header_problem(_header(from_version=2), _header(from_version=1))
+    other = _header()
+    other.manifest.sha256 = b"\x0a" * 32
+    assert "another manifest" in header_problem(first, other)
+    other = _header()
+    other.manifest.tensors.add(name="w", dtype="float32")
+    assert "another manifest" in header_problem(first, other)
+
+
+def test_chunks_must_come_in_order_inside_their_piece():
+    piece = Piece(4 * MB, 4 * MB)
+    assert chunk_problem(piece, 4 * MB, 4 * MB, 2 * MB) is None
+    assert chunk_problem(piece, 6 * MB, 6 * MB, 2 * MB) is None
+    assert "out-of-order" in chunk_problem(piece, 4 * MB, 6 * MB, 2 * MB)  # one missing
+    assert "out-of-order" in chunk_problem(piece, 6 * MB, 4 * MB, 2 * MB)  # a duplicate
+    assert "runs past the piece" in chunk_problem(piece, 6 * MB, 6 * MB, 2 * MB + 1)
+    assert "empty chunk" in chunk_problem(piece, 4 * MB, 4 * MB, 0)
+    assert "exceeds" in chunk_problem(Piece(0, 8 * MB), 0, 0, MAX_CHUNK_BYTES + 1)
+
+
+def test_the_queue_hands_each_piece_once_in_order_until_stopped():
+    queue = PieceQueue([Piece(0, 1), Piece(1, 1), Piece(2, 1)])
+    assert queue.take() == Piece(0, 1) and queue.take() == Piece(1, 1)
+    queue.stop()
+    assert queue.take() is None and queue.stopped.is_set()
+
+
+# ---- the [transfer] table ------------------------------------------------------------------
+
+
+def test_transfer_defaults_to_one_stream_and_reads_k(tmp_path):
+    assert load_config(_write(tmp_path, VALID)).transfer == TransferConfig(streams=1)
+    cfg = load_config(_write(tmp_path, VALID + "\n[transfer]\nstreams = 8\n"))
+    assert cfg.transfer.streams == 8
+    assert transfer_from_toml(b"[transfer]\nstreams = 3\n") == TransferConfig(3)
+    assert transfer_from_toml(b"") == TransferConfig()
+
+
+@pytest.mark.parametrize(
+    "table, words",
+    [
+        ("streams = 0", "transfer.streams: must be in [1, 8], got 0"),
+        ("streams = 9", "transfer.streams: must be in [1, 8], got 9"),
+        ("streams = -1", "must be in [1, 8]"),
+        ("streams = 2.0", "transfer.streams: expected an integer"),
+        ("streams = true", "transfer.streams: expected an integer, got a boolean"),
+        ('streams = "4"', "transfer.streams: expected an integer"),
+        ("stream = 4", "transfer.stream: unknown key"),
+    ],
+)
+def test_bad_transfer_tables_are_refused_at_load(tmp_path, table, words):
+    assert words in _error(tmp_path, VALID + f"\n[transfer]\n{table}\n")
+    with pytest.raises(ConfigError, match="transfer"):
+        transfer_from_toml(f"[transfer]\n{table}\n".encode())
+
+
+def test_a_transfer_that_is_not_a_table_or_not_toml_is_refused(tmp_path):
+    assert "transfer: expected a table" in _error(tmp_path, "transfer = 4\n" + VALID)
+    with pytest.raises(ConfigError, match="transfer: expected a table"):
+        transfer_from_job({"transfer": [4]})
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        transfer_from_toml(b"[transfer\nstreams = 2")

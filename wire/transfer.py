@@ -1,0 +1,107 @@
+"""Parallel transfer streams: the ``[transfer]`` table, byte ranges and how a payload is cut.
+
+On a long fat link one TCP stream rarely fills the pipe (its window, or a congestion control
+that backs off on every loss). With ``streams = K > 1`` a large payload crosses on K
+connections at once::
+
+    [transfer]
+    streams = 4              # 1..8; 1 (the default): one stream per transfer, as always
+
+The payload is cut into pieces of whole chunks, about ``PIECES_PER_STREAM`` per stream, in one
+queue that every stream takes its next piece from: a stream that runs slow (cubic's start
+left some streams behind) simply takes fewer pieces, where fixed 1/K shares leave the whole
+transfer waiting for the slowest. A piece travels as a ranged fetch
+(``FetchRequest.length``), resumable at any byte inside it.
+
+Both sides read the table from the same job config: the coordinator allows each certificate
+``2 K`` fetch streams at once (``CallLimits.for_transfer``: K plus a retry of each), the sites
+use K. Everything here is pure.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from wire.config_table import ConfigError, as_table, load_table, rule, setting
+
+MAX_STREAMS = 8
+PIECES_PER_STREAM = 8
+# A payload of fewer chunks than this per stream goes on one stream: the extra connections'
+# first round trip would cost more than they gain.
+MIN_CHUNKS_PER_STREAM = 2
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """The ``[transfer]`` table (see the module docstring)."""
+
+    streams: int = setting(
+        1, check=rule(lambda v: 1 <= v <= MAX_STREAMS, f"must be in [1, {MAX_STREAMS}]")
+    )
+
+
+def transfer_from_job(job_config: Mapping[str, Any]) -> TransferConfig:
+    """The ``[transfer]`` table of a parsed job config (the defaults when it has none)."""
+    table = as_table(job_config.get("transfer", {}), "transfer")
+    return load_table(TransferConfig, table, "transfer")
+
+
+def transfer_from_toml(source: bytes | str) -> TransferConfig:
+    """The ``[transfer]`` table of a job config's TOML text, as the coordinator hands it to
+    its sites on Join (empty: the defaults)."""
+    text = source.decode("utf-8", "replace") if isinstance(source, bytes) else source
+    try:
+        job_config = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"the job config from the coordinator is not valid TOML: {exc}") from exc
+    return transfer_from_job(job_config)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The payload bytes ``[offset, offset + length)``."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def plan_pieces(total: int, chunk_bytes: int, streams: int) -> list[Piece]:
+    """``total`` bytes as pieces of whole ``chunk_bytes`` chunks (the last one shorter), about
+    ``PIECES_PER_STREAM`` per stream, in payload order; one piece for a small payload."""
+    if total <= 0:
+        return []
+    chunks = -(-total // chunk_bytes)
+    if streams <= 1 or chunks < MIN_CHUNKS_PER_STREAM * streams:
+        return [Piece(0, total)]
+    count = min(chunks, PIECES_PER_STREAM * streams)
+    base, extra = divmod(chunks, count)
+    pieces, first_chunk = [], 0
+    for i in range(count):
+        n = base + (1 if i < extra else 0)
+        start = first_chunk * chunk_bytes
+        pieces.append(Piece(start, min((first_chunk + n) * chunk_bytes, total) - start))
+        first_chunk += n
+    return pieces
+
+
+def range_problem(offset: int, length: int | None, total: int) -> str | None:
+    """Why a fetch of ``length`` bytes (None: to the end) from ``offset`` of a ``total``-byte
+    payload cannot be served, or None when it can."""
+    if not 0 <= offset <= total:
+        return f"offset {offset} outside the {total}-byte payload"
+    if length is None:
+        return None
+    if length <= 0:
+        return f"a ranged fetch asks for at least one byte of the {total}-byte payload (length 0)"
+    if offset + length > total:
+        return (
+            f"range [{offset}, {offset} + {length}) runs past the end of the {total}-byte payload"
+        )
+    return None
