@@ -66,6 +66,8 @@ def operator_call_failure(address: str, exc, bundle) -> str:
         return f"{address} refused the call ({code.name}): {exc.details()}"
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return f"{address} refused the call: {exc.details()}"
+    if code == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith("standby"):
+        return f"{address} is a {exc.details()}"  # "standby; the leader is ..." (serve --ha)
     if code == grpc.StatusCode.UNAVAILABLE and bundle and looks_like_tls(exc.details()):
         problem = diagnose(address, bundle)
         if problem is not None:
