@@ -8,8 +8,6 @@ a refusal; pure, so it is tested without a network.
 
 from __future__ import annotations
 
-import grpc
-
 from wire.config_table import check_listen
 
 LEADER_KEY = "isthmus-leader"
@@ -28,6 +26,8 @@ def parse_addresses(text: str) -> tuple[list[str], str | None]:
 
 def leader_named(exc: BaseException) -> str | None:
     """The leader a standby's refusal names, if ``exc`` is one."""
+    import grpc  # here: the command lines import this module before they need grpc
+
     if not isinstance(exc, grpc.RpcError) or exc.code() != grpc.StatusCode.UNAVAILABLE:
         return None
     try:
