@@ -182,6 +182,14 @@ class S3CheckpointStore:
             time.sleep(random.uniform(0, min(0.5, 0.005 * 2**tries)))  # another start: again
         raise StoreError(f"{self.url}epoch: still contended after {EPOCH_TRIES} tries")
 
+    def record_completion(self, data: bytes) -> None:
+        """Say that the job is complete (``coordinator.job_end``), for the standbys."""
+        put_blob(self.client, self.bucket, self.prefix + "complete.json", Blob([data]), 1 << 30)
+
+    def completion(self) -> bytes | None:
+        found = get_with_etag(self.client, self.bucket, self.prefix + "complete.json")
+        return found[0] if found is not None else None
+
     # ---- reading ----------------------------------------------------------------------------
 
     def kept_rounds(self) -> list[int]:

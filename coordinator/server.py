@@ -20,11 +20,19 @@ from coordinator.export import Exported, export_model, final_model_path, write_m
 from coordinator.ha import Deposed, HaRole, Term
 from coordinator.ha_options import HaOptions, advertised
 from coordinator.heap import return_freed_memory
-from coordinator.job_end import Completion, write_completion
+from coordinator.job_end import (
+    Completion,
+    already_complete,
+    complete_message,
+    completion_bytes,
+    parse_completion,
+    write_completion,
+)
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.records import FatalError
 from coordinator.server_process import lock_state_dir
 from coordinator.servicer import CoordinatorServicer
+from coordinator.storage import open_store
 from coordinator.store import StoreError, write_atomic
 from coordinator.watchdog import CallWatchdog
 from wire.grpc_options import server_options
@@ -150,7 +158,7 @@ class CoordinatorServer:
         """Stand by, then build the core once elected; False if stopped (or failed) first."""
         self.ha.start()
         term = self.ha.wait_elected(self.stop_event)
-        if term is None:
+        if term is None or self._complete_in_store():
             return False
         try:
             self.ha.switch.lead(self._build(self.cfg, term))
@@ -199,10 +207,10 @@ class CoordinatorServer:
         if self.core is not None:
             self.core.close()
             self.watchdog.stop()
-        if self.ha is not None:  # after the last checkpoint: a standby takes over from it
-            self.ha.close()
         if complete:
             self._record_completion()
+        if self.ha is not None:  # after the last checkpoint: a standby takes over from it
+            self.ha.close()
         self.close()
 
     def _write_final(self) -> None:
@@ -224,8 +232,24 @@ class CoordinatorServer:
         done = Completion(self.cfg.name, card.round, str(self.final.path), card.theta_sha256)
         try:
             write_completion(self.cfg.state_dir, done)
-        except OSError as exc:  # the model is written; a later start just serves it again
+            if self.ha is not None:  # before resigning: the next leader must find it
+                self.core.store.record_completion(completion_bytes(done))
+        except (OSError, StoreError) as exc:  # the model is written; a later start serves it
             log.warning("could not record the job as complete: %s", exc)
+
+    def _complete_in_store(self) -> bool:
+        """Elected after the job completed elsewhere: record it here too, and do not serve."""
+        try:
+            data = open_store(self.cfg.state_dir, self.cfg.storage, True).completion()
+        except (StoreError, OSError) as exc:
+            log.warning("could not read the job's completion record: %s", exc)
+            return False
+        done = parse_completion(data) if data is not None else None
+        if not already_complete(done, self.cfg.name, self.cfg.rounds.total):
+            return False
+        log.info("%s (recorded by the coordinator that finished it)", complete_message(done))
+        write_completion(self.cfg.state_dir, done)
+        return True
 
     def close(self) -> None:
         """Let go of the state folder (``run`` does this when it returns)."""

@@ -33,6 +33,11 @@ def test_standby_takes_over_from_a_killed_leader(
         record = c.finish()
         tails = c.tails()
         second = [x for x in c.coordinators if x is not first]
+        # The killed one, restarted as an operator would, is elected (the other resigned at
+        # the job's end), finds the job complete in the store and exits at once.
+        first.start()
+        assert first.wait(timeout=30) == 0, first.log_tail()
+        assert "is complete" in first.log_tail(5), first.log_tail()
     sites = [f"site-{i}" for i in range(SPEC.sites)]
     verdict = judge(record, reference_hash=expected, all_sites=sites)
     assert verdict.survived, "\n".join(verdict.problems) + f"\nlogs:\n{tails}"
