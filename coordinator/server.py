@@ -206,6 +206,7 @@ class CoordinatorServer:
             log.warning("gRPC calls still open after stop; exiting anyway")
         if self.core is not None:
             self.core.close()
+        if getattr(self, "watchdog", None) is not None:
             self.watchdog.stop()
         if complete:
             self._record_completion()
