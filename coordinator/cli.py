@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from coordinator.certs_cli import add_certs_parser, run_certs
+from coordinator.export_cli import ExportError, add_export_parser, run_export
 from coordinator.ha_cli import add_ha_flags, call_leader, ha_from_flags
 from coordinator.history_cli import add_history_parser, run_history
 from coordinator.job_end import (
@@ -74,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     add_ha_flags(serve)
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     _add_status_parser(sub)
-    _add_export_parser(sub)
+    add_export_parser(sub)
     add_local_parser(sub)
     add_certs_parser(sub)
     add_history_parser(sub)
@@ -101,43 +102,6 @@ def _add_status_parser(sub) -> None:
         help="print it again every SECONDS (default 2) until Ctrl-C",
     )
     add_security_flags(status, "an operator")
-
-
-def _add_export_parser(sub) -> None:
-    export = sub.add_parser(
-        "export", help="write a kept checkpoint's model as a standalone safetensors file"
-    )
-    export.add_argument("--state-dir", required=True, metavar="DIR", help="the job's state folder")
-    export.add_argument("--round", type=int, metavar="N", help="the checkpoint (default: newest)")
-    export.add_argument("--out", required=True, metavar="FILE", help="NAME.safetensors to write")
-    export.add_argument(
-        "--storage-url",
-        default="",
-        metavar="s3://BUCKET/PREFIX",
-        help="read the checkpoints from this object store (the job's [storage] url; endpoint "
-        "and credentials from the AWS variables) instead of the state folder",
-    )
-
-
-def _export(args) -> int:
-    from coordinator.export import export_model
-    from coordinator.storage import StorageConfig, check_url, open_store
-    from coordinator.store import StoreError
-
-    if problem := check_url(args.storage_url):
-        raise ConfigError(f"--storage-url {args.storage_url}: {problem}")
-    try:
-        store = None
-        if args.storage_url:
-            store = open_store(Path(args.state_dir), StorageConfig(args.storage_url), True)
-        done = export_model(Path(args.state_dir), Path(args.out), args.round, store)
-    except StoreError as exc:
-        raise StartError(str(exc)) from exc
-    print(
-        f"model of round {done.card.round} (theta {done.card.theta_sha256[:12]}) written to "
-        f"{done.path}; its [model] table in {done.card_path}"
-    )
-    return 0
 
 
 def _serve(args) -> int:
@@ -296,14 +260,14 @@ def main(argv: list[str] | None = None) -> int:
             "certs": run_certs,
             "serve": _serve,
             "status": _status,
-            "export": _export,
+            "export": run_export,
             "local": lambda a: run_local(a, script),
             "history": run_history,
             "drain": run_drain,
             "undrain": run_drain,
         }
         return commands[args.command](args)
-    except (ConfigError, StartError, IdentityError, OSError) as exc:
+    except (ConfigError, StartError, ExportError, IdentityError, OSError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
 
