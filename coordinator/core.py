@@ -73,22 +73,11 @@ class CoordinatorCore:
             load_hook(cfg.evaluation.fn)
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
-        self.store = open_store(cfg.state_dir, cfg.storage)
-        self.spool = UpdateSpool(cfg.state_dir / "spool")
-        if term is not None:
-            # A new leadership: what this host spooled in an earlier one may not be what the
-            # leaders since then served; every update of the round in flight is sent again.
-            self.spool.drop_rounds_before(sys.maxsize)
-            self.store.fence = term.fence
-        self.uploads = UploadTable(self.spool)
         self.send_slots = SendSlots(cfg.server.concurrent_fetches)
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
         streaming.check_start(cfg.streaming, self.strategy)  # before any state is touched
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)
-        # Before the start is counted: a damaged log refuses to start and changes nothing.
-        self.events = EventLog(cfg.state_dir / "events.jsonl", cfg.events)
-        epoch = self.store.next_epoch(term.revision if term is not None else 0)
-        self.members = Membership(epoch, cfg.timeouts, cfg.rounds.max_sites)
+        self._open_state(term)
         downlink = streaming.downlink_config(cfg.downlink, cfg.streaming)
         self.downlink = Downlink(downlink) if downlink is not None else None
         self.sink = EventSink(self.events)
@@ -134,6 +123,24 @@ class CoordinatorCore:
         # Before any round: a job whose updates cannot be combined within memory stops here.
         like = {n: self.state.theta.tensors[n] for n in self.trainable}
         self.aggregator.check(self.strategy, cfg.rounds.max_sites, like)
+
+    def _open_state(self, term: Term | None) -> None:
+        """The checkpoint store, the spool, the event log and this start's epoch. Under an
+        etcd-elected ``term`` (``coordinator.ha``) the spool of an earlier leadership goes, the
+        store's commits are fenced, and the epoch is at least the election's revision."""
+        cfg = self.cfg
+        self.store = open_store(cfg.state_dir, cfg.storage)
+        self.spool = UpdateSpool(cfg.state_dir / "spool")
+        self.uploads = UploadTable(self.spool)
+        # Before the start is counted: a damaged log refuses to start and changes nothing.
+        self.events = EventLog(cfg.state_dir / "events.jsonl", cfg.events)
+        if term is not None:
+            # A new leadership: what this host spooled in an earlier one may not be what the
+            # leaders since then served; every update of the round in flight is sent again.
+            self.spool.drop_rounds_before(sys.maxsize)
+            self.store.fence = term.fence
+        epoch = self.store.next_epoch(term.revision if term is not None else 0)
+        self.members = Membership(epoch, cfg.timeouts, cfg.rounds.max_sites)
 
     def _site_control(self) -> SiteControl:
         """Drains and the health rules; in shared-data mode a drained site hands back its units."""

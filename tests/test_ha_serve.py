@@ -50,7 +50,7 @@ def candidates(tmp_path: Path, cfg: dict, etcd, tls_dir: Path) -> list[h.Coordin
     procs = []
     for name in ("a", "b"):
         state = tmp_path / name / "state"
-        args = ("--ha", etcd.url, "--ha-ttl", "2", "--state-dir", str(state))
+        args = ("--ha", etcd.url, "--ha-ttl", "5", "--state-dir", str(state))
         procs.append(
             h.CoordinatorProcess(
                 config, state, tmp_path / f"{name}.log", tls_dir=tls_dir, extra_args=args
