@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from coordinator.counting import UpdateCounter
 from coordinator.disk import until_written
 from coordinator.downlink import Downlink
 from coordinator.drain import DrainList, check_reason, drain_message
+from coordinator.election import Term
 from coordinator.evaluation import Evaluation, describe, load_hook
 from coordinator.evaluator import Evaluator, Reports
 from coordinator.events import EventLog, EventSink
@@ -48,6 +50,7 @@ from coordinator.site_control import SiteControl
 from coordinator.spool import UpdateSpool
 from coordinator.status import StatusSnapshot, snapshot_of
 from coordinator.storage import open_store
+from coordinator.store import StoreError
 from coordinator.streaming import RoundTensors
 from coordinator.theta_files import ThetaFiles
 from coordinator.uploads import Upload, UploadTable
@@ -62,22 +65,20 @@ INFO_DEFAULTS = {"update_wanted": False}  # an older agent's RoundInfo does not 
 
 
 class CoordinatorCore:
-    def __init__(self, cfg: JobConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.cfg, self.clock = cfg, clock
+    def __init__(
+        self, cfg: JobConfig, clock: Callable[[], float] = time.monotonic, term: Term | None = None
+    ) -> None:
+        """``term``: this coordinator was elected through etcd (``coordinator.ha``)."""
+        self.cfg, self.clock, self.term = cfg, clock, term
         if cfg.evaluation is not None:  # a hook that cannot load is refused before any state
             load_hook(cfg.evaluation.fn)
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
-        self.store = open_store(cfg.state_dir, cfg.storage)
-        self.spool = UpdateSpool(cfg.state_dir / "spool")
-        self.uploads = UploadTable(self.spool)
         self.send_slots = SendSlots(cfg.server.concurrent_fetches)
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
         streaming.check_start(cfg.streaming, self.strategy)  # before any state is touched
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)
-        # Before the start is counted: a damaged log refuses to start and changes nothing.
-        self.events = EventLog(cfg.state_dir / "events.jsonl", cfg.events)
-        self.members = Membership(self.store.next_epoch(), cfg.timeouts, cfg.rounds.max_sites)
+        self._open_state(term)
         downlink = streaming.downlink_config(cfg.downlink, cfg.streaming)
         self.downlink = Downlink(downlink) if downlink is not None else None
         self.sink = EventSink(self.events)
@@ -123,6 +124,24 @@ class CoordinatorCore:
         # Before any round: a job whose updates cannot be combined within memory stops here.
         like = {n: self.state.theta.tensors[n] for n in self.trainable}
         self.aggregator.check(self.strategy, cfg.rounds.max_sites, like)
+
+    def _open_state(self, term: Term | None) -> None:
+        """The checkpoint store, the spool, the event log and this start's epoch. Under an
+        etcd-elected ``term`` (``coordinator.ha``) the spool of an earlier leadership goes, the
+        store's commits are fenced, and the epoch is at least the election's revision."""
+        cfg = self.cfg
+        self.store = open_store(cfg.state_dir, cfg.storage)
+        self.spool = UpdateSpool(cfg.state_dir / "spool")
+        self.uploads = UploadTable(self.spool)
+        # Before the start is counted: a damaged log refuses to start and changes nothing.
+        self.events = EventLog(cfg.state_dir / "events.jsonl", cfg.events)
+        if term is not None:
+            # A new leadership: what this host spooled in an earlier one may not be what the
+            # leaders since then served; every update of the round in flight is sent again.
+            self.spool.drop_rounds_before(sys.maxsize)
+            self.store.fence = term.fence
+        epoch = self.store.next_epoch(term.revision if term is not None else 0)
+        self.members = Membership(epoch, cfg.timeouts, cfg.rounds.max_sites)
 
     def _site_control(self) -> SiteControl:
         """Drains and the health rules; in shared-data mode a drained site hands back its units."""
@@ -426,7 +445,16 @@ class CoordinatorCore:
 
     # ---- updates --------------------------------------------------------------------------
 
+    def fence(self) -> None:
+        """Refuse a state change once this coordinator is no longer the elected leader."""
+        if self.term is not None:
+            try:
+                self.term.fence()
+            except StoreError as exc:
+                raise Refused("standby", str(exc)) from exc
+
     def begin_upload(self, header: PushHeader) -> Upload:
+        self.fence()
         check_name("upload_id", header.upload_id)
         if not (math.isfinite(header.weight) and 0 < header.weight <= 1e15):
             raise Refused("invalid", f"weight must be a finite number > 0, got {header.weight}")
@@ -467,6 +495,7 @@ class CoordinatorCore:
         """Count a fully received upload; returns False if bytes are still missing."""
         if not upload.complete:
             return False
+        self.fence()
         norm = self.intake.verify(upload)  # the slow checks, without the lock
         with self._locked():
             admission, weight = self.counter.reserve(upload, token, self.clock())

@@ -14,6 +14,11 @@ The same interface as ``coordinator.store.CheckpointStore`` (``save``, ``load_la
 - ``next_epoch``: read-increment-write of ``PREFIX/epoch`` with ``If-Match`` on its ETag
   (``If-None-Match: *`` for the first), retried on 412: two coordinators starting on one
   store never get the same epoch.
+- Fencing: before a manifest is written, ``fence`` (set by a coordinator elected through
+  etcd, ``coordinator.ha``) must say this coordinator still leads, and ``PREFIX/epoch`` must
+  still hold this start's epoch: a coordinator that started after it (a new leader counts its
+  start before it loads a checkpoint) has taken the store over, and this one's commit is
+  refused. The manifest write itself stays conditional (``If-None-Match: *``).
 
 The spool, the event log, the drain list and the lock stay in the local state folder.
 """
@@ -26,10 +31,12 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 from safetensors.torch import load as load_safetensors
 
 from coordinator import s3_layout as layout
+from coordinator.election import fencing_epoch
 from coordinator.s3_objects import (
     Blob,
     FileBlob,
@@ -69,6 +76,9 @@ class S3CheckpointStore:
         self.read_only = read_only
         self._write = threading.Lock()
         self._damaged: set[int] = set()  # rounds this store found unusable (may be re-written)
+        self.epoch: int | None = None  # this start's, once counted (``next_epoch``)
+        # Raises StoreError when this coordinator may no longer commit (``coordinator.ha``).
+        self.fence: Callable[[], None] | None = None
         try:
             client.head_bucket(Bucket=bucket)
         except Exception as exc:
@@ -118,6 +128,7 @@ class S3CheckpointStore:
 
     def _commit(self, manifest: layout.Manifest) -> None:
         key = self.dir + layout.manifest_key(manifest.round)
+        self._check_fenced(manifest.round)
         if manifest.round in self._damaged:  # found unusable here: this writer replaces it
             log.warning("replacing the damaged checkpoint of round %d", manifest.round)
             delete_keys(self.client, self.bucket, [key])
@@ -135,8 +146,24 @@ class S3CheckpointStore:
         delete_keys(self.client, self.bucket, [self.dir + k for k in manifests])
         delete_keys(self.client, self.bucket, [self.dir + k for k in data])
 
-    def next_epoch(self) -> int:
-        """Count this start and return its number (1 for the first start)."""
+    def _check_fenced(self, round_number: int) -> None:
+        """``StoreError`` unless this coordinator may still commit (see the module docstring)."""
+        if self.fence is not None:
+            self.fence()
+        if self.epoch is None:
+            return
+        found = get_with_etag(self.client, self.bucket, self.prefix + "epoch")
+        text = found[0].decode(errors="replace").strip() if found is not None else ""
+        if text != str(self.epoch):
+            raise StoreError(
+                f"not committing round {round_number}: {self.url}epoch is {text[:40]!r}, this "
+                f"coordinator started as epoch {self.epoch}: a newer coordinator has taken the "
+                "store over"
+            )
+
+    def next_epoch(self, at_least: int = 0) -> int:
+        """Count this start and return its number (1 for the first start; at least
+        ``at_least``, see ``coordinator.election.fencing_epoch``)."""
         key = self.prefix + "epoch"
         for tries in range(EPOCH_TRIES):
             found = get_with_etag(self.client, self.bucket, key)
@@ -148,10 +175,20 @@ class S3CheckpointStore:
                         f"{self.url}epoch is damaged (expected a number, found {text[:40]!r})"
                     )
                 epoch, etag = int(text), found[1]
-            if put_if(self.client, self.bucket, key, f"{epoch + 1}\n".encode(), etag):
-                return epoch + 1
+            new = fencing_epoch(epoch, at_least)
+            if put_if(self.client, self.bucket, key, f"{new}\n".encode(), etag):
+                self.epoch = new
+                return new
             time.sleep(random.uniform(0, min(0.5, 0.005 * 2**tries)))  # another start: again
         raise StoreError(f"{self.url}epoch: still contended after {EPOCH_TRIES} tries")
+
+    def record_completion(self, data: bytes) -> None:
+        """Say that the job is complete (``coordinator.job_end``), for the standbys."""
+        put_blob(self.client, self.bucket, self.prefix + "complete.json", Blob([data]), 1 << 30)
+
+    def completion(self) -> bytes | None:
+        found = get_with_etag(self.client, self.bucket, self.prefix + "complete.json")
+        return found[0] if found is not None else None
 
     # ---- reading ----------------------------------------------------------------------------
 

@@ -2,8 +2,8 @@
 
 ::
 
-    siteclient start --coordinator HOST:PORT --site NAME [--nproc-per-node N ...torchrun flags]
-        -- SCRIPT [ARGS...]
+    siteclient start --coordinator HOST:PORT[,HOST:PORT] --site NAME
+        [--nproc-per-node N ...torchrun flags] -- SCRIPT [ARGS...]
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from wire.cli_flags import (
     env_defaults,
     quiet_grpc,
 )
-from wire.config_table import check_listen
 from wire.identity import IdentityError
+from wire.leader import parse_addresses
 
 USAGE_HINT = "see `siteclient start --help`"
 # Every flag of the agent's own has a variable, as torchrun's launch flags have PET_*.
@@ -60,7 +60,13 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Launch flags are torchrun's (--nproc-per-node, --nnodes, --node-rank, "
         "--rdzv-backend, --rdzv-endpoint, --max-restarts (default 3 here), --log-dir, ...).",
     )
-    s.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    s.add_argument(
+        "--coordinator",
+        required=True,
+        metavar="HOST:PORT",
+        help="the coordinator; several separated by commas (standby coordinators, "
+        "`coordinator serve --ha`): the site follows the leader",
+    )
     s.add_argument("--site", required=True, help="this site's name in the job")
     s.add_argument("--run-dir", help="site-local state: checkpoints, metrics (default runs/SITE)")
     s.add_argument(
@@ -252,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("missing SCRIPT after `--`")
         if not Path(command[0]).is_file():
             raise UsageError(f"training script {command[0]!r} not found")
-        if problem := check_listen(args.coordinator):
+        if problem := parse_addresses(args.coordinator)[1]:
             raise UsageError(f"--coordinator {args.coordinator}: {problem}")
         if args.inner_steps is not None and args.inner_steps <= 0:
             raise UsageError(f"--inner-steps must be > 0, got {args.inner_steps}")

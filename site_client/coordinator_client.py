@@ -4,6 +4,12 @@ Every call retries transient failures (coordinator down or restarting, network c
 exponential backoff and full jitter up to the policy's deadline, re-joins when its lease was
 fenced out (after a coordinator restart, or after it lapsed), and resumes transfers from the
 last acknowledged byte instead of starting them again.
+
+With several coordinators (``"A:7070,B:7070"``: standby coordinators, ``serve --ha``), a call
+refused as ``UNAVAILABLE`` moves the client to the leader the refusal names
+(``wire.leader``), or, when none is named (no answer, no leader elected yet), to the next
+address in turn; the retry then goes there, after its backoff. The new leader fences the old
+lease, so the site re-joins it as after a restart.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
 from wire.identity import Bundle
+from wire.leader import leader_named, next_address, parse_addresses
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.tensors import pack, pack_encoded
@@ -60,8 +67,11 @@ class CoordinatorClient:
         on_retry: Callable[[str, int, float, BaseException], None] | None = None,
         tls: Bundle | None = None,
     ) -> None:
-        """``tls`` is the site's bundle (mutual TLS); ``None`` means plaintext (insecure)."""
-        self.address = address
+        """``address``: HOST:PORT, or several separated by commas (standby coordinators);
+        ``tls`` is the site's bundle (mutual TLS); ``None`` means plaintext (insecure)."""
+        self.addresses, problem = parse_addresses(address)
+        if problem:
+            raise ValueError(f"coordinator address {address!r}: {problem}")
         self.site = site
         self.backoff = backoff or BackoffPolicy()
         self.num_examples = num_examples
@@ -71,13 +81,11 @@ class CoordinatorClient:
         self.transfer_timeout_s = transfer_timeout_s
         self.on_retry = on_retry
         self.tls = tls
-        self.channel = open_channel(address, tls)
-        self.stub = pb_grpc.CoordinatorStub(self.channel)
-        self.bulk = BulkStub(self.channel)  # theta and updates as raw frames (wire.bulk)
-        # Heartbeats on their own connection: behind a multi-megabyte push on a slow link they
-        # would wait for the push and the lease would lapse while the site is busy sending.
-        self.control_channel = open_channel(address, tls, own_connection=True)
-        self.control = pb_grpc.CoordinatorStub(self.control_channel)
+        self._channels: dict[str, tuple[grpc.Channel, grpc.Channel]] = {}
+        self._switching = threading.Lock()
+        self._stream_channels: list[grpc.Channel] = []
+        self._streams_lock = threading.Lock()
+        self._use(self.addresses[0])
         self.lease: pb.Lease | None = None
         # Set by ``leave``: a call still in flight then (a heartbeat) must not join again.
         self.left = False
@@ -87,15 +95,46 @@ class CoordinatorClient:
         # [transfer] of the job config the coordinator hands over on join: how many streams
         # one large fetch takes. Each stream beyond the first has a connection of its own.
         self.transfer = TransferConfig()
-        self._stream_channels: list[grpc.Channel] = []
-        self._stream_stubs = [self.bulk]
-        self._streams_lock = threading.Lock()
         self._join_lock = threading.Lock()
         self.theta = ThetaFetcher(self)
 
+    def _use(self, address: str) -> None:
+        """Send every call to ``address`` from now on. Its channels are opened once and kept
+        (a call still in flight on another address's finishes there)."""
+        if address not in self._channels:
+            # Heartbeats on their own connection: behind a multi-megabyte push on a slow link
+            # they would wait for the push and the lease would lapse while the site sends.
+            self._channels[address] = (
+                open_channel(address, self.tls),
+                open_channel(address, self.tls, own_connection=True),
+            )
+        self.channel, self.control_channel = self._channels[address]
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.bulk = BulkStub(self.channel)  # theta and updates as raw frames (wire.bulk)
+        self.control = pb_grpc.CoordinatorStub(self.control_channel)
+        self.address = address
+        # Parallel streams open their own connections to the new address when next used (the
+        # old ones are closed with the client).
+        with self._streams_lock:
+            self._stream_stubs = [self.bulk]
+
+    def _follow(self, exc: grpc.RpcError) -> None:
+        """After an ``UNAVAILABLE`` from ``self.address``: move to the leader it names, or,
+        among several addresses, to the next one."""
+        named = leader_named(exc)
+        if named == self.address or (named is None and len(self.addresses) == 1):
+            return  # one address, or the leader itself taking over: retry there
+        with self._switching:
+            failed = self.address
+            nxt = next_address(self.addresses, failed, named)
+            if nxt != failed:
+                log.info("coordinator %s: %s; trying %s", failed, exc.details(), nxt)
+                self._use(nxt)
+
     def close(self) -> None:
-        self.channel.close()
-        self.control_channel.close()
+        for channel, control in self._channels.values():
+            channel.close()
+            control.close()
         for channel in self._stream_channels:
             channel.close()
 
@@ -164,6 +203,8 @@ class CoordinatorClient:
                     with self._join_lock:
                         if self.lease is used:
                             self.lease = None
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and not tls_problem:
+                    self._follow(exc)
                 raise
 
         def retryable(exc: BaseException) -> bool:
