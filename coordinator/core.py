@@ -141,6 +141,8 @@ class CoordinatorCore:
             self.spool.drop_rounds_before(sys.maxsize)
             self.store.fence = term.fence
         epoch = self.store.next_epoch(term.revision if term is not None else 0)
+        if term is not None:
+            term.fence()  # still leading once counted: a stale candidate stops here
         self.members = Membership(epoch, cfg.timeouts, cfg.rounds.max_sites)
 
     def _site_control(self) -> SiteControl:
@@ -453,6 +455,18 @@ class CoordinatorCore:
             except StoreError as exc:
                 raise Refused("standby", str(exc)) from exc
 
+    def _may_close(self, round_number: int) -> bool:
+        """Whether this coordinator may close a round now: not once deposed (a theta it
+        published could never be committed; the round loop steps down next)."""
+        if self.term is None:
+            return True
+        try:
+            self.term.fence()
+        except StoreError as exc:
+            log.warning("not closing round %d: %s", round_number, exc)
+            return False
+        return True
+
     def begin_upload(self, header: PushHeader) -> Upload:
         self.fence()
         check_name("upload_id", header.upload_id)
@@ -525,7 +539,7 @@ class CoordinatorCore:
                 f"recording round {step.round_file[0]}",
                 self.stopping,
             )
-        if step.order is None:
+        if step.order is None or not self._may_close(step.order.round.number):
             return False
         self.pipeline.run(step.order)
         if step.order.after_pin:

@@ -12,8 +12,9 @@ the send time, and the leader stops ``margin_s`` earlier still (clock drift, a m
 its way). Past that point it is no longer the leader, whatever the key says: it cannot know
 whether the renewal it is waiting for will ever land.
 
-The fencing epoch of a leader is the etcd revision at which it created the key: every later
-election creates the key again, at a higher revision.
+A leader's term is the etcd revision at which it created the key: every later election creates
+the key again, at a higher revision, and the store refuses to count the start of a candidate
+elected at a revision no higher than one it counted (``coordinator.s3_epochs``).
 """
 
 from __future__ import annotations
@@ -115,10 +116,3 @@ def standby_message(now: Leadership) -> str:
     if now.leader:
         return f"standby; the leader is {now.leader}"
     return f"standby; {now.reason or 'no leader elected'}; retry"
-
-
-def fencing_epoch(previous: int, revision: int = 0) -> int:
-    """The epoch of a start after ``previous`` (the store's counter): one more, and at least
-    the election's ``revision``, so every lease token of an earlier leader is stale under it,
-    even if etcd itself was rebuilt (its revisions start again from 1)."""
-    return max(previous + 1, revision)

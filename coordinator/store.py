@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from coordinator.election import fencing_epoch
 from coordinator.theta_file import link_or_copy
 from wire.safetensors_io import file_state_hash, map_tensors, write_tensors
 from wire.tensors import state_hash
@@ -134,9 +133,10 @@ class CheckpointStore:
         for stale in self.root.glob(".epoch.tmp-*"):
             stale.unlink(missing_ok=True)
 
-    def next_epoch(self, at_least: int = 0) -> int:
-        """Count this start and return its number (1 for the first start; at least
-        ``at_least``, see ``coordinator.election.fencing_epoch``)."""
+    def next_epoch(self, revision: int = 0) -> int:
+        """Count this start and return its number (1 for the first start). ``revision`` is
+        for a store shared by coordinators elected through etcd, which a local folder never
+        is (``serve --ha`` needs object storage)."""
         path = self.root / "epoch"
         epoch = 0
         if path.exists():
@@ -144,7 +144,7 @@ class CheckpointStore:
             if not text.isdigit():
                 raise StoreError(f"{path} is damaged (expected a number, found {text[:40]!r})")
             epoch = int(text)
-        epoch = fencing_epoch(epoch, at_least)
+        epoch += 1
         write_atomic(path, f"{epoch}\n".encode())
         return epoch
 
