@@ -7,7 +7,7 @@ measured with 16 sites pushing a 64 MiB model two at a time, a plain gRPC server
 about 40 MB more after the uploads than with 2 sites, half of it free blocks in its heap.
 
 ``return_freed_memory`` (once, at start) maps every large block on its own, so that freeing it
-unmaps it, and bounds the arenas; ``trim`` (after each upload or fetch stream, and each fold)
+unmaps it, and bounds the arenas; ``trim`` (after each upload or fetch stream)
 hands free pages inside the heaps back with ``malloc_trim``, at most every ``TRIM_EVERY_S``,
 on the calling thread and never while another thread trims. Both are no-ops off glibc.
 """

@@ -25,6 +25,7 @@ import torch
 
 from site_client.errors import CoordinatorError, PushAborted, TlsRefused
 from site_client.push import UpdatePush, lost_race
+from site_client.stream_channels import FollowingStub, StreamChannels
 from site_client.theta_fetch import GlobalState, ThetaFetcher
 from site_client.update_payload import UpdatePayload, payload_of
 from wire.backoff import BackoffPolicy, retry
@@ -83,8 +84,7 @@ class CoordinatorClient:
         self.tls = tls
         self._channels: dict[str, tuple[grpc.Channel, grpc.Channel]] = {}
         self._switching = threading.Lock()
-        self._stream_channels: list[grpc.Channel] = []
-        self._streams_lock = threading.Lock()
+        self.streams = StreamChannels(lambda a: open_channel(a, tls, own_connection=True))
         self._use(self.addresses[0])
         self.lease: pb.Lease | None = None
         # Set by ``leave``: a call still in flight then (a heartbeat) must not join again.
@@ -113,19 +113,17 @@ class CoordinatorClient:
         self.bulk = BulkStub(self.channel)  # theta and updates as raw frames (wire.bulk)
         self.control = pb_grpc.CoordinatorStub(self.control_channel)
         self.address = address
-        # Parallel streams open their own connections to the new address when next used (the
-        # old ones are closed with the client).
-        with self._streams_lock:
-            self._stream_stubs = [self.bulk]
 
-    def _follow(self, exc: grpc.RpcError) -> None:
-        """After an ``UNAVAILABLE`` from ``self.address``: move to the leader it names, or,
-        among several addresses, to the next one."""
+    def _follow(self, exc: grpc.RpcError, failed: str) -> None:
+        """After an ``UNAVAILABLE`` from ``failed``: move to the leader it names, or, among
+        several addresses, to the next one. Only once per address: of calls failing there
+        together, the first moves the client and the others find it moved already."""
         named = leader_named(exc)
-        if named == self.address or (named is None and len(self.addresses) == 1):
+        if named == failed or (named is None and len(self.addresses) == 1):
             return  # one address, or the leader itself taking over: retry there
         with self._switching:
-            failed = self.address
+            if self.address != failed:
+                return
             nxt = next_address(self.addresses, failed, named)
             if nxt != failed:
                 log.info("coordinator %s: %s; trying %s", failed, exc.details(), nxt)
@@ -135,26 +133,17 @@ class CoordinatorClient:
         for channel, control in self._channels.values():
             channel.close()
             control.close()
-        for channel in self._stream_channels:
-            channel.close()
+        self.streams.close()
 
-    def stream_stubs(self, streams: int) -> list[BulkStub]:
-        """Bulk stubs for ``streams`` parallel streams, each on a TCP connection of its own
-        (one connection would carry them all through one congestion window). Opened on first
-        use and kept, so later transfers start on warm connections."""
-        with self._streams_lock:
-            while len(self._stream_stubs) < streams:
-                channel = open_channel(self.address, self.tls, own_connection=True)
-                self._stream_channels.append(channel)
-                self._stream_stubs.append(BulkStub(channel))
-            return self._stream_stubs[:streams]
+    def stream_stubs(self, streams: int) -> list[FollowingStub]:
+        """Stubs of ``streams`` parallel streams (``site_client.stream_channels``), each on a
+        TCP connection of its own and to the address the client uses at each call."""
+        return [FollowingStub(self, i) for i in range(streams)]
 
     def connect_streams(self, streams: int, timeout_s: float = 30.0) -> None:
         """Open the connections of ``streams`` parallel streams now, not at the first transfer
         that takes them (a benchmark's warm-up: the first transfer would pay the handshakes)."""
-        self.stream_stubs(streams)
-        with self._streams_lock:
-            channels = [self.channel, *self._stream_channels[: streams - 1]]
+        channels = [self.channel, *self.streams.channels(self.address, streams - 1)]
         for channel in channels:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
 
@@ -186,13 +175,14 @@ class CoordinatorClient:
         """Run ``fn`` with backoff on transient errors; re-join when the lease was fenced."""
 
         tls_problem: list[TlsProblem] = []
+        tried = [self.address]  # the address of the latest attempt
 
         def attempt():
             if self.left and describe not in ("join", "status"):
                 raise CoordinatorError(None, f"{describe}: this site has left the job")
             if describe not in ("join", "status"):
                 self._ensure_joined()
-            used = self.lease
+            used, tried[0] = self.lease, self.address
             try:
                 return fn()
             except grpc.RpcError as exc:
@@ -204,7 +194,7 @@ class CoordinatorClient:
                         if self.lease is used:
                             self.lease = None
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and not tls_problem:
-                    self._follow(exc)
+                    self._follow(exc, tried[0])
                 raise
 
         def retryable(exc: BaseException) -> bool:
@@ -213,7 +203,9 @@ class CoordinatorClient:
             # RESOURCE_EXHAUSTED: its disk is full or this site has too many calls open; both
             # pass (a full job refusing a join does not, and says so).
             code = _code(exc)
-            if code == grpc.StatusCode.UNAVAILABLE and self._permanent_tls(exc, tls_problem):
+            if code == grpc.StatusCode.UNAVAILABLE and self._permanent_tls(
+                exc, tls_problem, tried[0]
+            ):
                 return False
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return describe != "join"
@@ -241,7 +233,7 @@ class CoordinatorClient:
                 raise TlsRefused(exc.code(), tls_problem[0].message) from exc
             raise CoordinatorError(exc.code(), f"{describe}: {exc.details()}") from exc
 
-    def _permanent_tls(self, exc: grpc.RpcError, found: list[TlsProblem]) -> bool:
+    def _permanent_tls(self, exc: grpc.RpcError, found: list[TlsProblem], address: str) -> bool:
         """Whether an UNAVAILABLE is a TLS problem no retry fixes (appended to ``found``).
 
         Only failures that hint at TLS are probed, and, until the first join, closed sockets
@@ -250,7 +242,7 @@ class CoordinatorClient:
         closed = self.join_reply is None and "socket closed" in details.lower()
         if self.tls is None or not (looks_like_tls(details) or closed):
             return False
-        problem = diagnose(self.address, self.tls)
+        problem = diagnose(address, self.tls)
         if problem is not None:
             found.append(problem)
         return problem is not None
