@@ -74,7 +74,7 @@ class CoordinatorCore:
             load_hook(cfg.evaluation.fn)
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
-        self.send_slots = SendSlots(cfg.server.concurrent_fetches)
+        self.send_slots = SendSlots(cfg.server.concurrent_fetches, streams=cfg.transfer.streams)
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
         streaming.check_start(cfg.streaming, self.strategy)  # before any state is touched
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)

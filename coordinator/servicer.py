@@ -257,7 +257,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             header.manifest.CopyFrom(pub.manifest.to_proto())
             chunks = pub.payload.chunks(self.chunk_bytes, start, stop)
         try:
-            self.core.send_slots.acquire()
+            self.core.send_slots.acquire(request.lease.site)
         except SlotsBusy as exc:
             raise Refused("busy", f"{exc}; fetch again") from None
         try:
@@ -267,7 +267,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 self.core.count_sent(len(data))
                 self.metrics.sent(request.lease.site, len(data))
         finally:
-            self.core.send_slots.release()
+            self.core.send_slots.release(request.lease.site)
             heap.trim()  # its chunks are free now
 
     @_refusals_to_status
