@@ -25,7 +25,7 @@ import torch
 
 from site_client.errors import CoordinatorError, PushAborted, TlsRefused
 from site_client.push import UpdatePush, lost_race
-from site_client.stream_channels import FollowingStub, StreamChannels
+from site_client.stream_channels import FollowingStub, StreamChannels, UploadConnection
 from site_client.theta_fetch import GlobalState, ThetaFetcher
 from site_client.update_payload import UpdatePayload, payload_of
 from wire.backoff import BackoffPolicy, retry
@@ -148,16 +148,16 @@ class CoordinatorClient:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
 
     @contextlib.contextmanager
-    def upload_connection(self) -> Iterator[BulkStub]:
-        """A connection of its own for one upload's data stream, closed after it. gRPC keeps
+    def upload_connection(self) -> Iterator[UploadConnection]:
+        """A connection of its own for one upload's data streams, closed after it. gRPC keeps
         the buffers a connection received through for as long as the connection lives (at the
         coordinator, about 3 MB for one that carried an update through an 8 MiB window), so
         uploads on the long-lived channel would leave that much per site behind."""
-        channel = open_channel(self.address, self.tls, own_connection=True)
+        connection = UploadConnection(self, lambda a: open_channel(a, self.tls, True))
         try:
-            yield BulkStub(channel)
+            yield connection
         finally:
-            channel.close()
+            connection.close()
 
     def __enter__(self) -> CoordinatorClient:
         return self

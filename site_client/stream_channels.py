@@ -71,3 +71,27 @@ class FollowingStub:
 
     def Push(self, frames: Iterator[bytes], timeout: float) -> pb.PushReply:  # noqa: N802
         return self._now().Push(frames, timeout=timeout)
+
+
+class UploadConnection:
+    """The connection of one upload's data streams, to the address the client uses at each
+    attempt (reopened when the client follows a new leader), closed with the upload."""
+
+    def __init__(self, client, open_channel: Callable[[str], grpc.Channel]) -> None:
+        self.client, self._open = client, open_channel
+        self._address: str | None = None
+        self._channel: grpc.Channel | None = None
+        self._stub: BulkStub | None = None
+
+    def Push(self, frames: Iterator[bytes], timeout: float) -> pb.PushReply:  # noqa: N802
+        address = self.client.address
+        if address != self._address:
+            self.close()
+            self._channel, self._address = self._open(address), address
+            self._stub = BulkStub(self._channel)
+        return self._stub.Push(frames, timeout=timeout)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = self._stub = self._address = None
