@@ -144,6 +144,12 @@ class CoordinatorCore:
         if term is not None:
             term.fence()  # still leading once counted: a stale candidate stops here
         self.members = Membership(epoch, cfg.timeouts, cfg.rounds.max_sites)
+        if cfg.storage.remote and not self.store.read_only:
+            # After this start is counted: a deposed leader's commits (and events) are fenced
+            # from here on, so what is adopted now is all the log it will ever hold before ours.
+            from coordinator.event_remote import remote_events_for
+
+            self.store.ship_events = remote_events_for(self.store, self.events).ship
 
     def _site_control(self) -> SiteControl:
         """Drains and the health rules; in shared-data mode a drained site hands back its units."""
@@ -248,7 +254,18 @@ class CoordinatorCore:
             self.evaluator.close()
         self.writer.close()
         self._folder.shutdown(wait=True)
+        self.sink.flush()
+        self._ship_events()
         self.events.close()
+
+    def _ship_events(self) -> None:
+        ship = getattr(self.store, "ship_events_now", None)
+        if ship is None:
+            return
+        try:
+            ship()
+        except Exception as exc:  # the history's upkeep; the state is in the checkpoints
+            log.error("event log: its last records are not in the object store: %s", exc)
 
     # ---- views ----------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ The same interface as ``coordinator.store.CheckpointStore`` (``save``, ``load_la
   start before it loads a checkpoint) has taken the store over, and this one's commit is
   refused. The manifest write itself stays conditional (``If-None-Match: *``).
 
-The spool, the event log, the drain list and the lock stay in the local state folder.
+The event log goes up in segments beside the checkpoints (``coordinator.event_remote``,
+through ``ship_events``); the spool, the drain list and the lock stay in the local state folder.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ class S3CheckpointStore:
         self.epoch: int | None = None  # this start's, once counted (``next_epoch``)
         # Raises StoreError when this coordinator may no longer commit (``coordinator.ha``).
         self.fence: Callable[[], None] | None = None
+        # Publishes the event log's new records (``coordinator.event_remote``): run inside the
+        # fencing, before each manifest is written, so a commit's events are never lost.
+        self.ship_events: Callable[[], object] | None = None
         try:
             client.head_bucket(Bucket=bucket)
         except Exception as exc:
@@ -128,7 +132,9 @@ class S3CheckpointStore:
 
     def _commit(self, manifest: layout.Manifest) -> None:
         key = self.dir + layout.manifest_key(manifest.round)
-        self._check_fenced(manifest.round)
+        self._check_fenced(f"round {manifest.round}")
+        if self.ship_events is not None:
+            self.ship_events()
         if manifest.round in self._damaged:  # found unusable here: this writer replaces it
             log.warning("replacing the damaged checkpoint of round %d", manifest.round)
             delete_keys(self.client, self.bucket, [key])
@@ -170,7 +176,15 @@ class S3CheckpointStore:
         delete_keys(self.client, self.bucket, [self.dir + k for k in manifests])
         delete_keys(self.client, self.bucket, [self.dir + k for k in data])
 
-    def _check_fenced(self, round_number: int) -> None:
+    def ship_events_now(self) -> None:
+        """Publish the event log's tail (at stop), if this coordinator may still write."""
+        if self.ship_events is None or self.read_only:
+            return
+        with self._write:
+            self._check_fenced("the event log's tail")
+            self.ship_events()
+
+    def _check_fenced(self, what: str) -> None:
         """``StoreError`` unless this coordinator may still commit (see the module docstring)."""
         if self.fence is not None:
             self.fence()
@@ -179,9 +193,9 @@ class S3CheckpointStore:
         record, _ = self._epochs()
         if record.epoch != self.epoch:
             raise StoreError(
-                f"not committing round {round_number}: {self.url}epoch is at start "
-                f"{record.epoch}, this coordinator started as {self.epoch}: a newer coordinator "
-                "has taken the store over"
+                f"not committing {what}: {self.url}epoch is at start {record.epoch}, this "
+                f"coordinator started as {self.epoch}: a newer coordinator has taken the store "
+                "over"
             )
 
     def _epochs(self) -> tuple[epochs.EpochRecord, str | None]:

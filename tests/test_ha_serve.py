@@ -22,8 +22,10 @@ try:  # tests/ as a package or as a plain folder on sys.path
 except ImportError:
     import coord_harness as h
 
+from coordinator.event_history import read_events
+from coordinator.event_remote import RemoteEvents, read_remote
 from coordinator.ha_cli import call_leader
-from coordinator.storage import StorageConfig, open_store
+from coordinator.storage import StorageConfig, open_store, parse_url
 from site_client.coordinator_client import CoordinatorClient
 from wire.backoff import BackoffPolicy
 from wire.channel import open_channel
@@ -153,6 +155,17 @@ def test_standby_refuses_then_takes_over_from_a_deposed_leader(
     epochs = [t >> 32 for t in tokens]
     assert epochs[0] < epochs[-1], epochs  # the new leader's tokens fence the old ones'
     assert "elected leader" in standby.log_tail(400) and "standing by" in standby.log_tail(400)
+    # One event log across the takeover, in the object store: no gap, no seq twice, every
+    # round closed once; the new leader's local log adopted the old one's records.
+    bucket, prefix = parse_url(url)
+    remote = RemoteEvents(store.client, bucket, prefix + "/")
+    history = read_remote(remote)
+    seqs = [e["seq"] for e in history.events]
+    assert seqs == list(range(1, len(seqs) + 1)) and not history.gaps
+    closed = [e["round"] for e in history.events if e["kind"] == "round_closed"]
+    assert closed == list(range(ROUNDS)), closed
+    local = read_events(standby.state_dir / "events.jsonl")
+    assert [e["seq"] for e in local] == seqs
 
 
 def _try(fn, *args):
