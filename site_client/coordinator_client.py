@@ -198,21 +198,7 @@ class CoordinatorClient:
                 raise
 
         def retryable(exc: BaseException) -> bool:
-            # A chunk that fails its checks was damaged in flight or the stream broke: resend.
-            # DATA_LOSS: the coordinator found the update damaged in flight and dropped it.
-            # RESOURCE_EXHAUSTED: its disk is full or this site has too many calls open; both
-            # pass (a full job refusing a join does not, and says so).
-            code = _code(exc)
-            if code == grpc.StatusCode.UNAVAILABLE and self._permanent_tls(
-                exc, tls_problem, tried[0]
-            ):
-                return False
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                return describe != "join"
-            return isinstance(exc, ChunkError) or code in TRANSIENT | {
-                grpc.StatusCode.ABORTED,
-                grpc.StatusCode.DATA_LOSS,
-            }
+            return self._retryable(describe, exc, tls_problem, tried[0])
 
         def report(n: int, delay: float, exc: BaseException) -> None:
             detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
@@ -232,6 +218,23 @@ class CoordinatorClient:
             if tls_problem:
                 raise TlsRefused(exc.code(), tls_problem[0].message) from exc
             raise CoordinatorError(exc.code(), f"{describe}: {exc.details()}") from exc
+
+    def _retryable(
+        self, describe: str, exc: BaseException, tls_problem: list[TlsProblem], address: str
+    ) -> bool:
+        # A chunk that fails its checks was damaged in flight or the stream broke: resend.
+        # DATA_LOSS: the coordinator found the update damaged in flight and dropped it.
+        # RESOURCE_EXHAUSTED: its disk is full or this site has too many calls open; both
+        # pass (a full job refusing a join does not, and says so).
+        code = _code(exc)
+        if code == grpc.StatusCode.UNAVAILABLE and self._permanent_tls(exc, tls_problem, address):
+            return False
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return describe != "join"
+        return isinstance(exc, ChunkError) or code in TRANSIENT | {
+            grpc.StatusCode.ABORTED,
+            grpc.StatusCode.DATA_LOSS,
+        }
 
     def _permanent_tls(self, exc: grpc.RpcError, found: list[TlsProblem], address: str) -> bool:
         """Whether an UNAVAILABLE is a TLS problem no retry fixes (appended to ``found``).
