@@ -18,7 +18,7 @@ from pathlib import Path
 
 from coordinator.certs_cli import add_certs_parser, run_certs
 from coordinator.export_cli import ExportError, add_export_parser, run_export
-from coordinator.ha_cli import add_ha_flags, call_leader, ha_from_flags
+from coordinator.ha_cli import add_ha_flags, call_leader, check_advertised_name, ha_from_flags
 from coordinator.history_cli import add_history_parser, run_history
 from coordinator.job_end import (
     already_complete,
@@ -118,6 +118,11 @@ def _serve(args) -> int:
     ha = ha_from_flags(args, cfg)
     check_storage(cfg.storage)  # credentials and endpoint, before the state folder is touched
     bundle = bundle_from_flags(args)
+    if ha is not None and bundle is not None:
+        from coordinator.ha_options import advertised
+
+        listen = args.listen or cfg.server.listen
+        check_advertised_name(advertised(listen, listen, args.advertise), bundle.cert)
     page = _page_access(args, bundle)  # refused before the state folder is touched
     from coordinator.model_source import FactoryImportError, import_hint
     from coordinator.server import CoordinatorServer, ServerTls  # torch import: only for serve

@@ -7,10 +7,13 @@ imported by the call that needs it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from wire.config_table import ConfigError, check_listen
 from wire.leader import leader_named, next_address, parse_addresses
+
+log = logging.getLogger("isthmus.coordinator")
 
 
 def add_ha_flags(serve) -> None:
@@ -56,7 +59,36 @@ def ha_from_flags(args, cfg):
         import aetcd  # noqa: F401
     except ImportError:
         raise ConfigError("--ha needs aetcd: pip install 'isthmus[ha]'") from None
+    log.warning(ETCD_PLAINTEXT_WARNING)
     return opts
+
+
+def check_advertised_name(address: str, cert_pem: bytes) -> None:
+    """``ConfigError`` unless the host this coordinator is named by (``--advertise``, or its
+    listen address) is a name of its certificate: sites that follow it there would fail TLS
+    and fall back to the first address, again and again."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    from wire.tls_probe import cert_names, host_matches
+
+    host = address.rpartition(":")[0].strip("[]")
+    der = x509.load_pem_x509_certificate(cert_pem).public_bytes(Encoding.DER)
+    names = cert_names(der)
+    if not host_matches(host, names):
+        raise ConfigError(
+            f"--ha: this coordinator would be named {host!r}, which its certificate does not "
+            f"hold (it holds {', '.join(names) or 'no names'}): sites following it would fail "
+            "TLS; pass --advertise NAME:PORT with one of those names"
+        )
+
+
+# aetcd speaks to etcd only without TLS: what the election relies on must be private.
+ETCD_PLAINTEXT_WARNING = (
+    "--ha: the election reaches etcd without TLS or authentication: anyone who can reach etcd "
+    "can depose the leader or stall the election (a deposed leader never commits, so the job "
+    "waits, it does not fork). Keep etcd's client port on a network only the coordinators reach."
+)
 
 
 def call_leader(text: str, bundle, call: Callable, flag: str = "--coordinator"):

@@ -29,6 +29,7 @@ from coordinator.storage import StorageConfig, open_store, parse_url
 from site_client.coordinator_client import CoordinatorClient
 from wire.backoff import BackoffPolicy
 from wire.channel import open_channel
+from wire.config_table import ConfigError
 from wire.identity import Bundle, init_ca, issue
 from wire.leader import LEADER_KEY
 from wire.proto import isthmus_pb2 as pb
@@ -155,6 +156,7 @@ def test_standby_refuses_then_takes_over_from_a_deposed_leader(
     epochs = [t >> 32 for t in tokens]
     assert epochs[0] < epochs[-1], epochs  # the new leader's tokens fence the old ones'
     assert "elected leader" in standby.log_tail(400) and "standing by" in standby.log_tail(400)
+    assert "reaches etcd without TLS or authentication" in standby.log_tail(400)
     # One event log across the takeover, in the object store: no gap, no seq twice, every
     # round closed once; the new leader's local log adopted the old one's records.
     bucket, prefix = parse_url(url)
@@ -193,3 +195,12 @@ def test_bad_ha_flags_are_refused_in_one_line(flags, message, tmp_path, capsys):
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "state").exists()  # nothing was touched
+
+
+def test_a_name_the_coordinators_certificate_lacks_is_refused(tmp_path):
+    from coordinator.ha_cli import check_advertised_name
+
+    cert = Bundle.load(pki(tmp_path)["coordinator"]).cert
+    check_advertised_name("127.0.0.1:7070", cert)  # a name it holds
+    with pytest.raises(ConfigError, match=r"named 'db7\.example'.*holds 127\.0\.0\.1.*--advertise"):
+        check_advertised_name("db7.example:7070", cert)
