@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from coordinator.disk import until_written
-from coordinator.store import Checkpoint, CheckpointStore
+from coordinator.store import Checkpoint, CheckpointStore, StoreError
 
 log = logging.getLogger("isthmus.coordinator")
 
@@ -62,8 +62,8 @@ class CheckpointWriter:
     def close(self) -> None:
         try:
             self.wait()
-        except OSError as exc:  # the spool and the close record still determine that round
-            log.error("stopping without the last checkpoint: %s", exc)
+        except (OSError, StoreError) as exc:  # the spool and the close record still
+            log.error("stopping without the last checkpoint: %s", exc)  # determine that round
         finally:
             self._thread.shutdown(wait=True)
 

@@ -118,11 +118,7 @@ def _serve(args) -> int:
     ha = ha_from_flags(args, cfg)
     check_storage(cfg.storage)  # credentials and endpoint, before the state folder is touched
     bundle = bundle_from_flags(args)
-    if ha is not None and bundle is not None:
-        from coordinator.ha_options import advertised
-
-        listen = args.listen or cfg.server.listen
-        check_advertised_name(advertised(listen, listen, args.advertise), bundle.cert)
+    _check_advertised(args, cfg, ha, bundle)
     page = _page_access(args, bundle)  # refused before the state folder is touched
     from coordinator.model_source import FactoryImportError, import_hint
     from coordinator.server import CoordinatorServer, ServerTls  # torch import: only for serve
@@ -165,6 +161,15 @@ def _serve(args) -> int:
     if code == 0 and server.final is not None:
         print(f"job {cfg.name!r} complete; final model: {server.final.path}")
     return code
+
+
+def _check_advertised(args, cfg, ha, bundle) -> None:
+    """With ``--ha`` over TLS: the name this coordinator advertises is in its certificate."""
+    if ha is not None and bundle is not None:
+        from coordinator.ha_options import advertised
+
+        listen = args.listen or cfg.server.listen
+        check_advertised_name(advertised(listen, listen, args.advertise), bundle.cert)
 
 
 def _serve_pages(args, server, cfg, bundle, page) -> None:

@@ -21,6 +21,7 @@ from coordinator.records import Refused
 
 log = logging.getLogger("isthmus.coordinator")
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+STORE_CAP_S = 5.0  # the longest wait between tries of an object store that does not answer
 
 
 def disk_refusal(exc: OSError, what: str) -> Refused:
@@ -33,14 +34,19 @@ def disk_refusal(exc: OSError, what: str) -> Refused:
 def until_written(
     write: Callable[[], object], what: str, stopping: threading.Event, cap_s: float = 30.0
 ):
-    """Run ``write`` until it does not fail for want of space, waiting longer each time.
+    """Run ``write`` until it does not fail for want of space, or for an object store that
+    does not answer (``StoreUnavailable``), waiting longer each time (up to ``cap_s``;
+    ``STORE_CAP_S`` for the store, so a job goes on soon after it is back).
 
     For what the coordinator itself must make durable (a round's record, its close, a
     checkpoint): the job cannot go on without it, and stopping would lose nothing that a
     retry after the disk has space again does not keep. Each write leaves nothing half-done
-    behind (temporary files, renamed into place), so a retry starts clean. Any other error
-    (a folder removed, permissions) is raised at once: waiting would not mend it. Raises the
-    last error once ``stopping`` is set."""
+    behind (temporary files, renamed into place; objects no manifest names), so a retry starts
+    clean. Any other error (a folder removed, permissions, a deposed leader's commit) is
+    raised at once: waiting would not mend it. Raises the last error once ``stopping`` is set.
+    """
+    from coordinator.store import StoreUnavailable  # torch: not for `coordinator --help`
+
     delay = 0.5
     while True:
         try:
@@ -48,10 +54,17 @@ def until_written(
         except OSError as exc:
             if stopping.is_set() or exc.errno not in DISK_FULL:
                 raise
+            cap = cap_s
+            log.error("%s failed (%s); retrying in %.1fs", what, exc, delay)
+        except StoreUnavailable as exc:
+            if stopping.is_set():
+                raise
+            cap = min(cap_s, STORE_CAP_S)
+            delay = min(delay, cap)
             log.error("%s failed (%s); retrying in %.1fs", what, exc, delay)
         if stopping.wait(delay):
             return write()  # one last try, then its error stands
-        delay = min(cap_s, delay * 2)
+        delay = min(cap, delay * 2)
 
 
 class PartFile:

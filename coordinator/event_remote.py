@@ -32,7 +32,7 @@ from typing import Any
 from coordinator.event_format import Damaged, EventLogError, Gap, encode, scan_lines
 from coordinator.event_history import History, read_history
 from coordinator.events import EventLog
-from coordinator.s3_objects import list_keys, put_if
+from coordinator.s3_objects import get_with_etag, list_keys, put_if
 
 log = logging.getLogger("isthmus.coordinator")
 _KEY = re.compile(r"^(\d{12})\.jsonl\.gz$")
@@ -67,13 +67,16 @@ class RemoteEvents:
 
     def put(self, first: int, lines: list[bytes]) -> bool:
         """Write the segment of ``lines`` (records ``first``...); False if one starting at
-        ``first`` exists (another coordinator wrote it)."""
+        ``first`` exists with other records (another coordinator wrote it). The same bytes
+        there are this writer's own earlier try, whose reply was lost: True."""
         raw = io.BytesIO()
         with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
             gz.writelines(lines)
-        return put_if(
-            self.client, self.bucket, self.folder + segment_key(first), raw.getvalue(), None
-        )
+        key = self.folder + segment_key(first)
+        if put_if(self.client, self.bucket, key, raw.getvalue(), None):
+            return True
+        found = get_with_etag(self.client, self.bucket, key)
+        return found is not None and found[0] == raw.getvalue()
 
     def read(self, first: int, after: int) -> list[dict[str, Any]]:
         key = segment_key(first)

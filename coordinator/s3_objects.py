@@ -86,6 +86,19 @@ def precondition_failed(exc: Exception) -> bool:
     return error_code(exc) in PRECONDITION or status in ("412", "409")
 
 
+def unreachable(exc: Exception) -> bool:
+    """Whether ``exc`` says the store did not answer (no connection, a connection dropped or
+    timed out, a 5xx or "slow down" reply) rather than that it refused the request."""
+    from botocore.exceptions import ConnectionError, HTTPClientError
+
+    if isinstance(exc, ConnectionError | HTTPClientError):
+        return True
+    status = str(
+        (getattr(exc, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode", "")
+    )
+    return status.startswith("5") or error_code(exc) in ("SlowDown", "ServiceUnavailable")
+
+
 def not_found(exc: Exception) -> bool:
     return error_code(exc) in ("NoSuchKey", "404", "NotFound")
 

@@ -8,6 +8,11 @@ The same interface as ``coordinator.store.CheckpointStore`` (``save``, ``load_la
   manifest (their keys, sizes and SHA-256) with ``If-None-Match: *``. A second writer of the
   round gets 412 and a ``StoreError``; the first commit stays as it was. Then old rounds are
   pruned to ``KEEP``: their manifests first, then their data.
+- An object store that does not answer (``s3_objects.unreachable``) makes ``save`` raise
+  ``StoreUnavailable``: nothing is committed, and the checkpoint writer tries again until it
+  answers (``coordinator.disk.until_written``). A manifest write whose reply was lost may
+  still have landed: a later try that finds the round committed by an attempt of this very
+  store takes that commit as its own rather than reporting another writer.
 - Reading goes only through manifests; every object's SHA-256 is checked, then the state
   hashes in ``meta.json`` as the local store does; a damaged newest checkpoint falls back to
   the one before.
@@ -47,8 +52,9 @@ from coordinator.s3_objects import (
     list_keys,
     put_blob,
     put_if,
+    unreachable,
 )
-from coordinator.store import FORMAT, KEEP, Checkpoint, StoreError, _contiguous
+from coordinator.store import FORMAT, KEEP, Checkpoint, StoreError, StoreUnavailable, _contiguous
 from wire.safetensors_io import canonical_order, contiguous_manifest, header_bytes, tensor_bytes
 from wire.tensors import state_hash
 
@@ -78,6 +84,7 @@ class S3CheckpointStore:
         self._write = threading.Lock()
         self._damaged: set[int] = set()  # rounds this store found unusable (may be re-written)
         self.epoch: int | None = None  # this start's, once counted (``next_epoch``)
+        self._attempts: dict[int, set[str]] = {}  # round -> attempts this store uploaded
         # Raises StoreError when this coordinator may no longer commit (``coordinator.ha``).
         self.fence: Callable[[], None] | None = None
         # Publishes the event log's new records (``coordinator.event_remote``): run inside the
@@ -93,13 +100,25 @@ class S3CheckpointStore:
     # ---- writing ----------------------------------------------------------------------------
 
     def save(self, ckpt: Checkpoint) -> layout.Manifest:
-        """Upload ``ckpt`` and commit it; ``StoreError`` if another writer committed its round."""
+        """Upload ``ckpt`` and commit it; ``StoreError`` if another writer committed its round,
+        ``StoreUnavailable`` if the store did not answer (then nothing was committed by this
+        call, unless a later one finds that it was)."""
         if self.read_only:
             raise StoreError(f"{self.url} is open read-only")
         with self._write:
-            manifest = self._upload(ckpt)
-            self._commit(manifest)
-            self._prune(ckpt.round)
+            try:
+                manifest = self._upload(ckpt)
+                manifest = self._commit(manifest)
+                self._prune(ckpt.round)
+            except StoreError:
+                raise
+            except Exception as exc:
+                if unreachable(exc):
+                    raise StoreUnavailable(
+                        f"{self.url}: the store did not answer while round {ckpt.round}'s "
+                        f"checkpoint was written ({exc})"
+                    ) from exc
+                raise
             return manifest
 
     def _upload(self, ckpt: Checkpoint) -> layout.Manifest:
@@ -123,6 +142,7 @@ class S3CheckpointStore:
             "meta.json": Blob([json.dumps(meta, indent=1, sort_keys=True).encode()]),
         }
         attempt = uuid.uuid4().hex
+        self._attempts.setdefault(ckpt.round, set()).add(attempt)
         parts = {}
         for name, blob in blobs.items():
             key = layout.data_key(ckpt.round, attempt, name)
@@ -130,7 +150,9 @@ class S3CheckpointStore:
             parts[name] = layout.Part(key, blob.sha256(), blob.size)
         return layout.Manifest(ckpt.round, attempt, parts, meta["written_at"], self.epoch or 0)
 
-    def _commit(self, manifest: layout.Manifest) -> None:
+    def _commit(self, manifest: layout.Manifest) -> layout.Manifest:
+        """Write ``manifest``; the manifest that stands committed for its round (this one, or
+        an earlier attempt of this store whose write landed though its reply was lost)."""
         key = self.dir + layout.manifest_key(manifest.round)
         self._check_fenced(f"round {manifest.round}")
         if self.ship_events is not None:
@@ -140,14 +162,37 @@ class S3CheckpointStore:
             delete_keys(self.client, self.bucket, [key])
             self._damaged.discard(manifest.round)
         body = layout.manifest_json(manifest)
-        if not put_if(self.client, self.bucket, key, body, None) and not self._replace_void(
-            manifest.round, body
-        ):
+        if put_if(self.client, self.bucket, key, body, None):
+            return manifest
+        mine = self._own_commit(manifest.round)
+        if mine is not None:
+            log.warning(
+                "round %d was already committed by this coordinator (attempt %s: a write whose "
+                "reply was lost); keeping that commit",
+                manifest.round,
+                mine.attempt,
+            )
+            return mine
+        if not self._replace_void(manifest.round, body):
             raise StoreError(
                 f"round {manifest.round} was already committed by another writer "
                 f"({self.url}checkpoints/{layout.manifest_key(manifest.round)}); this one's "
                 "data is left uncommitted"
             )
+        return manifest
+
+    def _own_commit(self, round_number: int) -> layout.Manifest | None:
+        """The manifest of ``round_number`` if one of this store's own attempts wrote it."""
+        found = get_with_etag(
+            self.client, self.bucket, self.dir + layout.manifest_key(round_number)
+        )
+        if found is None:
+            return None
+        try:
+            there = layout.parse_manifest(found[0], round_number)
+        except layout.ManifestError:
+            return None
+        return there if there.attempt in self._attempts.get(round_number, ()) else None
 
     def _replace_void(self, round_number: int, body: bytes) -> bool:
         """After a refused commit: if the manifest there is void (a deposed coordinator's late

@@ -41,6 +41,11 @@ class StoreError(RuntimeError):
     """The state folder cannot be used; the message says which file and why."""
 
 
+class StoreUnavailable(StoreError):
+    """The object store did not answer (a connection refused, reset or timed out, or it said
+    it is overloaded): nothing was committed, and the same call may succeed later."""
+
+
 @dataclass
 class Checkpoint:
     round: int

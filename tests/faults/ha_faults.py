@@ -26,7 +26,7 @@ def kill_leader_with_one_update_counted(c: HaCluster) -> None:
     """Killed once site-0's round-1 update counted and site-1's is still due: site-1 is
     stopped (SIGSTOP) meanwhile, so the window cannot be missed."""
     c.wait_for(lambda: c.sites[1].reached(ROUND, 1), 120, "site-1 in round 1")
-    _signal(c.sites[1], signal.SIGSTOP)
+    signal_site(c.sites[1], signal.SIGSTOP)
     try:
 
         def one_in():
@@ -36,9 +36,10 @@ def kill_leader_with_one_update_counted(c: HaCluster) -> None:
         c.wait_for(one_in, 120, "site-0's round-1 update to count", interval=0.05)
         c.kill_leader()
     finally:
-        _signal(c.sites[1], signal.SIGCONT)
+        signal_site(c.sites[1], signal.SIGCONT)
 
 
-def _signal(site, sig: int) -> None:
+def signal_site(site, sig: int) -> None:
+    """Send ``sig`` to a site's whole process group (its agent and trainers)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(site.proc.pid, sig)
