@@ -9,7 +9,8 @@ in the round's fold order (``coordinator.accumulate``), so the running sum can f
 as it arrives instead of holding it back for an earlier one. A grant not used within
 ``GRANT_TTL_S`` lapses (a site that died after asking). A stream that starts without a grant (a
 resumed probe, a client that does not ask) is let in all the same: slots bound memory, they
-never refuse bytes.
+never refuse bytes. The streams of one upload sent in pieces (``[transfer] streams``) share its
+slot.
 
 The decision is the pure ``slots_to_grant``; ``ReceiveSlots`` keeps the state under its own
 condition variable (never the core's lock: a reservation waits).
@@ -49,7 +50,7 @@ class ReceiveSlots:
         self.active: dict[Hashable, int] = {}  # upload -> its data streams being received
         self.granted: dict[Hashable, float] = {}  # upload -> when its grant lapses
         self.waiting: dict[Hashable, tuple] = {}  # upload -> (fold position, asked at)
-        self.peak = 0  # the most data streams received at once
+        self.peak = 0  # the most uploads received at once
 
     def reserve(self, key: Hashable, order: int, wait_s: float = RESERVE_WAIT_S) -> bool:
         """Wait (up to ``wait_s``) for a slot for ``key``; True once granted."""
@@ -79,8 +80,9 @@ class ReceiveSlots:
         self.cond.notify_all()
 
     def in_use(self) -> int:
-        """Data streams being received now (under ``cond``)."""
-        return sum(self.active.values())
+        """Slots in use: uploads being received now, on one stream or several (under
+        ``cond``)."""
+        return len(self.active)
 
     def enter(self, key: Hashable) -> None:
         """A data stream of ``key`` starts: its grant (if any) becomes a slot in use."""
@@ -99,6 +101,6 @@ class ReceiveSlots:
             self._grant(self.clock())
 
     def counts(self) -> tuple[int, int]:
-        """(streams being received, uploads waiting for a slot), for metrics."""
+        """(uploads being received, uploads waiting for a slot), for metrics."""
         with self.cond:
             return self.in_use(), len(self.waiting)
