@@ -25,11 +25,13 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from site_client.errors import CoordinatorError, PushAborted
+from site_client.parallel_push import PiecedPush
 from site_client.transfer_progress import TransferProgress
 from site_client.update_payload import UpdatePayload
 from wire.bulk import RESERVE_WAIT_S, chunk_frame
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
+from wire.transfer import Piece, plan_pieces
 
 COMMITTED_BY = "isthmus-committed-by"
 
@@ -67,19 +69,21 @@ class UpdatePush:
         self.held_s = 0.0  # how long the last chunk waited for ``hold``
         self.progress = progress or TransferProgress()
 
-    def header(self, reserve: bool = False) -> bytes:
-        return pb.PushMessage(
-            header=pb.PushHeader(
-                lease=self.client.lease,
-                round=self.round,
-                upload_id=self.upload_id,
-                data_unit=self.unit,
-                manifest=self.payload.manifest.to_proto(),
-                weight=self.weight,
-                base_version=self.base,
-                reserve=reserve,
-            )
-        ).SerializeToString()
+    def header(self, reserve: bool = False, piece: Piece | None = None) -> bytes:
+        """The stream's first frame; with ``piece``, for a stream carrying only that piece."""
+        header = pb.PushHeader(
+            lease=self.client.lease,
+            round=self.round,
+            upload_id=self.upload_id,
+            data_unit=self.unit,
+            manifest=self.payload.manifest.to_proto(),
+            weight=self.weight,
+            base_version=self.base,
+            reserve=reserve,
+        )
+        if piece is not None:
+            header.piece.offset, header.piece.length = piece.offset, piece.length
+        return pb.PushMessage(header=header).SerializeToString()
 
     def frames(self, start: int) -> Iterator[bytes]:
         """The header, then the chunks from ``start`` (``wire.bulk`` frames)."""
@@ -90,13 +94,13 @@ class UpdatePush:
         for offset, data in self.payload.chunks(start, self.client.chunk_bytes):
             if self.abort():
                 return  # a short stream is left uncounted by the coordinator
-            if offset + len(data) == total and not self._wait_for_hold():
+            if offset + len(data) == total and not self.wait_for_hold():
                 return
             yield chunk_frame(offset, data)
             self.client.bytes_sent += len(data)
             self.progress.advance(len(data))
 
-    def _wait_for_hold(self) -> bool:
+    def wait_for_hold(self) -> bool:
         """Before the last chunk: wait for ``hold``; False if withdrawn meanwhile."""
         started = time.monotonic()
         try:
@@ -109,9 +113,11 @@ class UpdatePush:
 
     def attempt(self) -> pb.PushReply:
         c = self.client
+        if c.transfer.streams > 1 and len(self.pieces()) > 1:
+            return PiecedPush(self).attempt()
         if self.abort():
             raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
-        granted = self._reserve()
+        granted = self.reserve()
         if granted.complete:  # every byte had arrived: the header alone completed it
             return granted
         self.acked = granted.acked_offset
@@ -124,7 +130,15 @@ class UpdatePush:
             raise ChunkError(f"push incomplete: {reply.message}")
         return reply
 
-    def _reserve(self) -> pb.PushReply:
+    def pieces(self) -> list[Piece]:
+        """The pieces of the payload for ``[transfer] streams`` (one for a small payload)."""
+        c = self.client
+        return plan_pieces(self.payload.total_bytes, c.chunk_bytes, c.transfer.streams)
+
+    def withdrawn(self) -> PushAborted:
+        return PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
+
+    def reserve(self) -> pb.PushReply:
         """Ask for a receive slot (``coordinator.receive_slots``) until granted; the reply
         also says how much of the payload the coordinator holds already."""
         c = self.client
