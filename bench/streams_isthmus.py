@@ -3,11 +3,12 @@
 The site is a lightweight client speaking the real protocol (``CoordinatorClient``, as in
 ``bench.scale``), plaintext: TLS changes the CPU cost, not what the link does to one stream.
 Each round it fetches theta_r whole and pushes a float32 update of the same size over one of
-the stream counts asked for (``[transfer] streams``: the job allows the largest, the client
-takes each in turn, round after round); every call is timed from the client, on connections
-opened before the first round, so the figures compare with a raw TCP stream's first byte to
-receipt (``bench.streams_tcp``). The job is DiLoCo on a residual Linear stack of about the
-requested size, one site, ``repeats`` rounds per stream count.
+the stream counts asked for (``[transfer] streams``: the job allows the largest, the site
+takes each in turn, round after round, each K on connections of its own); every call is timed
+from the client, on connections opened before the first round, so the figures compare with a
+raw TCP stream's first byte to receipt (``bench.streams_tcp``). The job is DiLoCo on a
+residual Linear stack of about the requested size, one site, ``repeats`` rounds per stream
+count.
 """
 
 from __future__ import annotations
@@ -42,13 +43,20 @@ def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) 
     like = residual_stack(width, depth).state_dict()
     payload = payload_of(*pack({n: torch.full_like(t, 1e-3) for n, t in like.items()}))
     timings: dict[str, dict[str, list]] = {"fetch": {}, "push": {}}
-    with CoordinatorClient(address, "site-0", transfer_timeout_s=600) as client:
-        client.join()
-        client.connect_streams(max(streams))
+    main = CoordinatorClient(address, "site-0", transfer_timeout_s=600)
+    main.join()
+    # Each K on connections of its own, as a job with that K would have: a connection that was
+    # one of 8 keeps the small ssthresh its share of the link left it, and one stream on it
+    # would ramp up slowly. They share the site's lease (one site, one join).
+    clients = {k: CoordinatorClient(address, "site-0", transfer_timeout_s=600) for k in streams}
+    for k, client in clients.items():
+        client.lease, client.transfer = main.lease, TransferConfig(streams=k)
+        client.connect_streams(k)
+    try:
         for r in range(rounds):
             k = streams[r % len(streams)]
-            client.transfer = TransferConfig(streams=k)
-            client.wait_for_round(r - 1, poll_s=0.2)
+            client = clients[k]
+            main.wait_for_round(r - 1, poll_s=0.2)
             before = client.bytes_received
             t = time.monotonic()
             client.fetch()  # theta_r, whole
@@ -58,7 +66,10 @@ def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) 
             client.push(r, payload, base_version=r)
             took = (time.monotonic() - t, payload.total_bytes)
             timings["push"].setdefault(str(k), []).append(took)
-        client.leave("done")
+        main.leave("done")
+    finally:
+        for client in [main, *clients.values()]:
+            client.close()
     return timings
 
 
