@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
-.PHONY: demo test test-slow lint format proto clean chromium
+.PHONY: demo test test-slow lint format proto clean chromium etcd
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e '.[dev,examples,flower,s3]'
+	$(BIN)/python -m pip install -q -e '.[dev,examples,flower,s3,ha]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -35,14 +35,21 @@ chromium:
 		{ export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq chromium >/dev/null 2>&1 || \
 		{ apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }; }
 
-test: $(VENV)/.dev chromium
+# The standby-coordinator tests start a real etcd (Debian's etcd-server 3.4; no systemd here:
+# the tests run the binary themselves): installed when no etcd is on PATH.
+etcd:
+	@command -v etcd >/dev/null 2>&1 || \
+		{ export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq etcd-server >/dev/null 2>&1 || \
+		{ apt-get update -qq && apt-get install -y -qq etcd-server >/dev/null; }; }
+
+test: $(VENV)/.dev chromium etcd
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # The whole fault matrix too (about 10 more minutes on 2 cores); `python -m bench.chaos` runs
 # the same scenarios and prints the summary figures.
-test-slow: $(VENV)/.dev
+test-slow: $(VENV)/.dev etcd
 	$(BIN)/python -m pytest -q -m slow
 
 lint: $(VENV)/.dev

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m bench.scale [--sites 2,4,8,16] [--sizes 64,256] [--rounds 2] [--uploads 8,0,2]
+    python -m bench.scale [--sites 2,4,8,16] [--sizes 64,256] [--rounds 2] [--uploads auto,8]
         [--keep DIR]
 
 For each model size (MiB of float32 parameters: a residual Linear stack) and number of sites, a
@@ -12,9 +12,10 @@ once, then push a model-sized float32 pseudo-gradient every round, all at once).
 coordinator's peak RSS (``VmHWM``) above what a process importing it holds is divided by the
 model's float32 size. Plaintext on loopback: TLS changes the CPU cost, not the memory that
 matters here. ``--uploads`` lists ``server.concurrent_uploads`` settings to run side by side
-(the first is the job default, 8; 0 is no limit). Last line (the first setting unsuffixed)::
+(``auto``, the job default, leaves it unset: sized from the model; 0 is no limit). Last line
+(the first setting unsuffixed)::
 
-    coord_rss_over_model_max=... rss_growth_2_to_16=... coord_rss_over_model_max_u0=... ...
+    coord_rss_over_model_max=... rss_growth_2_to_16=... coord_rss_over_model_max_u8=... ...
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _client_loop(address: str, name: str, rounds: int, payload, errors: list) ->
         client.close()
 
 
-def run(folder: Path, mib: int, sites: int, rounds: int, uploads: int = 8) -> int:
+def run(folder: Path, mib: int, sites: int, rounds: int, uploads: str = "auto") -> int:
     import subprocess
     import sys
 
@@ -69,9 +70,10 @@ def run(folder: Path, mib: int, sites: int, rounds: int, uploads: int = 8) -> in
     text = text.replace("min_sites = 2", f"min_sites = {sites}").replace(
         "max_sites = 2", f"max_sites = {sites}"
     )
-    text = text.replace(
-        'listen = "127.0.0.1:0"', f'listen = "127.0.0.1:0"\nconcurrent_uploads = {uploads}'
-    )
+    if uploads != "auto":
+        text = text.replace(
+            'listen = "127.0.0.1:0"', f'listen = "127.0.0.1:0"\nconcurrent_uploads = {uploads}'
+        )
     (folder / "job.toml").write_text(text)
     log = open(folder / "coordinator.log", "w")  # noqa: SIM115 - the child's
     cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(folder / "job.toml")]
@@ -107,14 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sites", default="2,4,8,16")
     p.add_argument("--sizes", default="64,256", help="model sizes in MiB, of 64, 256")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--uploads", default="8", help="server.concurrent_uploads settings")
+    p.add_argument(
+        "--uploads", default="auto,8", help="server.concurrent_uploads settings (auto: unset)"
+    )
     p.add_argument("--keep", type=Path, help="keep the runs' folders here")
     args = p.parse_args(argv)
     root = args.keep or Path(tempfile.mkdtemp(prefix="isthmus-scale-"))
     baseline = import_baseline_rss()
     counts = [int(x) for x in args.sites.split(",")]
-    settings = [int(x) for x in args.uploads.split(",")]
-    table: dict[tuple[int, int], dict[int, float]] = {}
+    settings = args.uploads.split(",")
+    table: dict[tuple[str, int], dict[int, float]] = {}
     runs = [(u, int(x), n) for u in settings for x in args.sizes.split(",") for n in counts]
     for u, mib, n in steps(runs, lambda r: f"concurrent_uploads {r[0]}: {r[1]} MiB, {r[2]} sites"):
         width, depth = WIDTHS[mib]
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         peak = run(root / f"u{u}-{mib}mib-{n}", mib, n, args.rounds, u)
         table.setdefault((u, mib), {})[n] = (peak - baseline) / model_bytes
     print(f"\ncoordinator peak RSS above its import baseline ({baseline / 1e6:.0f} MB), over the")
-    print("float32 model size (server.concurrent_uploads: 0 = no limit):")
+    print("float32 model size (server.concurrent_uploads: auto = sized from the model, 0 = none):")
     print("uploads  model     " + "".join(f"{n:>8} sites" for n in counts))
     for (u, mib), row in table.items():
         print(f"{u:>7}  {mib:>3} MiB   " + "".join(f"{row[n]:>13.2f}x" for n in counts))

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 from coordinator.certs_cli import add_certs_parser, run_certs
+from coordinator.export_cli import ExportError, add_export_parser, run_export
+from coordinator.ha_cli import add_ha_flags, call_leader, check_advertised_name, ha_from_flags
 from coordinator.history_cli import add_history_parser, run_history
 from coordinator.job_end import (
     already_complete,
@@ -70,9 +72,10 @@ def _parser() -> argparse.ArgumentParser:
         help="serve the status page off loopback over plain HTTP, without authentication",
     )
     add_security_flags(serve, "the coordinator")
+    add_ha_flags(serve)
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     _add_status_parser(sub)
-    _add_export_parser(sub)
+    add_export_parser(sub)
     add_local_parser(sub)
     add_certs_parser(sub)
     add_history_parser(sub)
@@ -82,7 +85,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_status_parser(sub) -> None:
     status = sub.add_parser("status", help="print the state of a running job")
-    status.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    status.add_argument(
+        "--coordinator",
+        required=True,
+        metavar="HOST:PORT[,HOST:PORT]",
+        help="the coordinator; several (standby coordinators, `serve --ha`): the leader is found",
+    )
     status.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
     status.add_argument("--json", action="store_true", help="the reply as JSON")
     status.add_argument(
@@ -96,52 +104,25 @@ def _add_status_parser(sub) -> None:
     add_security_flags(status, "an operator")
 
 
-def _add_export_parser(sub) -> None:
-    export = sub.add_parser(
-        "export", help="write a kept checkpoint's model as a standalone safetensors file"
-    )
-    export.add_argument("--state-dir", required=True, metavar="DIR", help="the job's state folder")
-    export.add_argument("--round", type=int, metavar="N", help="the checkpoint (default: newest)")
-    export.add_argument("--out", required=True, metavar="FILE", help="NAME.safetensors to write")
-    export.add_argument(
-        "--storage-url",
-        default="",
-        metavar="s3://BUCKET/PREFIX",
-        help="read the checkpoints from this object store (the job's [storage] url; endpoint "
-        "and credentials from the AWS variables) instead of the state folder",
-    )
-
-
-def _export(args) -> int:
-    from coordinator.export import export_model
-    from coordinator.storage import StorageConfig, check_url, open_store
-    from coordinator.store import StoreError
-
-    if problem := check_url(args.storage_url):
-        raise ConfigError(f"--storage-url {args.storage_url}: {problem}")
-    try:
-        store = None
-        if args.storage_url:
-            store = open_store(Path(args.state_dir), StorageConfig(args.storage_url), True)
-        done = export_model(Path(args.state_dir), Path(args.out), args.round, store)
-    except StoreError as exc:
-        raise StartError(str(exc)) from exc
-    print(
-        f"model of round {done.card.round} (theta {done.card.theta_sha256[:12]}) written to "
-        f"{done.path}; its [model] table in {done.card_path}"
-    )
-    return 0
-
-
 def _serve(args) -> int:
     from coordinator.config import load_config
     from coordinator.storage import check_storage
 
     if args.listen and (problem := check_listen(args.listen)):
         raise ConfigError(f"--listen {args.listen}: {problem}")
+    if args.ha is not None:  # a malformed URL is refused before the config is even read
+        from coordinator.ha_options import parse_ha_url
+
+        parse_ha_url(args.ha)
     cfg = load_config(args.config, args.set)
+    ha = ha_from_flags(args, cfg)
     check_storage(cfg.storage)  # credentials and endpoint, before the state folder is touched
     bundle = bundle_from_flags(args)
+    if ha is not None and bundle is not None:
+        from coordinator.ha_options import advertised
+
+        listen = args.listen or cfg.server.listen
+        check_advertised_name(advertised(listen, listen, args.advertise), bundle.cert)
     page = _page_access(args, bundle)  # refused before the state folder is touched
     from coordinator.model_source import FactoryImportError, import_hint
     from coordinator.server import CoordinatorServer, ServerTls  # torch import: only for serve
@@ -159,17 +140,22 @@ def _serve(args) -> int:
         return 0
     try:
         tls = ServerTls(bundle, Path(args.crl) if args.crl else None) if bundle else None
-        server = CoordinatorServer(cfg, args.listen, tls)
+        server = CoordinatorServer(cfg, args.listen, tls, ha)
     except (StoreError, StrategyError) as exc:  # a wrong [strategy], state in use, damaged log
         raise StartError(str(exc)) from exc
     except FactoryImportError as exc:
         where = Path(args.config).resolve().parent
         hint = import_hint(exc.module, exc.missing, where, Path.cwd(), exc.key)
         raise StartError(f"{exc}; {hint}") from exc
-    _serve_pages(args, server, cfg, bundle, page)
+    if ha is None:
+        _serve_pages(args, server, cfg, bundle, page)
+    else:  # they show the job's state: served once this coordinator leads
+        server.on_lead.append(lambda: _serve_pages(args, server, cfg, bundle, page))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: server.stop(signum))
     code = server.run()
+    if server.core is None:  # a standby stopped before it was elected, or one deposed
+        return code if server.stopped_by is None else 0
     if server.stopped_by is not None:
         resume = shlex.join(["coordinator", "serve", "--config", args.config] + _resume_flags(args))
         rnd = server.core.state.round.number
@@ -222,42 +208,44 @@ def _page_access(args, bundle):
 def _resume_flags(args) -> list[str]:
     """The flags of this ``serve`` that a resume must repeat to find the same job."""
     flags = ["--state-dir", args.state_dir] if args.state_dir else []
+    if args.ha:
+        flags += ["--ha", args.ha] + (["--advertise", args.advertise] if args.advertise else [])
     return flags + [f for kv in args.set for f in ("--set", kv)]
 
 
 def _status(args) -> int:
-    if problem := check_listen(args.coordinator):
+    from wire.leader import parse_addresses
+
+    if problem := parse_addresses(args.coordinator)[1]:
         raise ConfigError(f"--coordinator {args.coordinator}: {problem}")
     import grpc
 
     from coordinator.status import format_status, status_json
-    from wire.channel import open_channel
     from wire.proto import isthmus_pb2 as pb
-    from wire.proto import isthmus_pb2_grpc as pb_grpc
 
     bundle = bundle_from_flags(args)
-    with open_channel(args.coordinator, bundle) as channel:
-        stub = pb_grpc.CoordinatorStub(channel)
-        while True:
-            try:
-                reply = stub.Status(pb.StatusRequest(), timeout=args.timeout)
-            except grpc.RpcError as exc:
-                print(
-                    f"coordinator: error: {operator_call_failure(args.coordinator, exc, bundle)}",
-                    file=sys.stderr,
-                )
-                return 1
-            text = status_json(reply) if args.json else format_status(reply)
-            if args.watch is None:
-                print(text)
-                return 0
-            if sys.stdout.isatty():
-                print("\x1b[2J\x1b[H", end="")  # clear the screen, as `watch` does
-            print(text, flush=True)
-            try:
-                time.sleep(args.watch)
-            except KeyboardInterrupt:
-                return 0
+    while True:
+        try:
+            reply, _ = call_leader(
+                args.coordinator,
+                bundle,
+                lambda stub: stub.Status(pb.StatusRequest(), timeout=args.timeout),
+            )
+        except grpc.RpcError as exc:
+            failure = operator_call_failure(exc.isthmus_address, exc, bundle)
+            print(f"coordinator: error: {failure}", file=sys.stderr)
+            return 1
+        text = status_json(reply) if args.json else format_status(reply)
+        if args.watch is None:
+            print(text)
+            return 0
+        if sys.stdout.isatty():
+            print("\x1b[2J\x1b[H", end="")  # clear the screen, as `watch` does
+        print(text, flush=True)
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,14 +265,14 @@ def main(argv: list[str] | None = None) -> int:
             "certs": run_certs,
             "serve": _serve,
             "status": _status,
-            "export": _export,
+            "export": run_export,
             "local": lambda a: run_local(a, script),
             "history": run_history,
             "drain": run_drain,
             "undrain": run_drain,
         }
         return commands[args.command](args)
-    except (ConfigError, StartError, IdentityError, OSError) as exc:
+    except (ConfigError, StartError, ExportError, IdentityError, OSError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
 

@@ -189,8 +189,9 @@ class ServerConfig:
     # on a busy coordinator grows to tens of MiB per stream.
     receive_window_bytes: int = setting(8 << 20, check=non_negative)
     # Uploads received at once (``coordinator.receive_slots``): the others wait their turn, in
-    # fold order, so their windows are not held in memory. 0: no limit.
-    concurrent_uploads: int = setting(8, check=non_negative)
+    # fold order, so their windows are not held in memory. Unset: sized from the model
+    # (``upload_slots``: 2 to 8). 0: no limit.
+    concurrent_uploads: int | None = setting(None, check=non_negative)
     # Fetch streams sent at once (``coordinator.send_slots``): the others wait their turn, so
     # their chunks in flight are not held in memory. 0: no limit.
     concurrent_fetches: int = setting(8, check=non_negative)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from coordinator import recovery, streaming
+from coordinator import heap, recovery, streaming
 from coordinator.accumulate import StreamingMean, start_sum
 from coordinator.checkpointing import CheckpointWriter
 from coordinator.close import CloseParts, ClosePipeline
@@ -28,12 +29,13 @@ from coordinator.counting import UpdateCounter
 from coordinator.disk import until_written
 from coordinator.downlink import Downlink
 from coordinator.drain import DrainList, check_reason, drain_message
+from coordinator.election import Term
 from coordinator.evaluation import Evaluation, describe, load_hook
 from coordinator.evaluator import Evaluator, Reports
 from coordinator.events import EventLog, EventSink
 from coordinator.intake import UpdateIntake
 from coordinator.membership import Membership
-from coordinator.receive_slots import ReceiveSlots
+from coordinator.receive_slots import ReceiveSlots, upload_slots
 from coordinator.records import (
     FatalError,
     Published,
@@ -48,6 +50,7 @@ from coordinator.site_control import SiteControl
 from coordinator.spool import UpdateSpool
 from coordinator.status import StatusSnapshot, snapshot_of
 from coordinator.storage import open_store
+from coordinator.store import StoreError
 from coordinator.streaming import RoundTensors
 from coordinator.theta_files import ThetaFiles
 from coordinator.uploads import Upload, UploadTable
@@ -62,23 +65,20 @@ INFO_DEFAULTS = {"update_wanted": False}  # an older agent's RoundInfo does not 
 
 
 class CoordinatorCore:
-    def __init__(self, cfg: JobConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.cfg, self.clock = cfg, clock
+    def __init__(
+        self, cfg: JobConfig, clock: Callable[[], float] = time.monotonic, term: Term | None = None
+    ) -> None:
+        """``term``: this coordinator was elected through etcd (``coordinator.ha``)."""
+        self.cfg, self.clock, self.term = cfg, clock, term
         if cfg.evaluation is not None:  # a hook that cannot load is refused before any state
             load_hook(cfg.evaluation.fn)
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
-        self.store = open_store(cfg.state_dir, cfg.storage)
-        self.spool = UpdateSpool(cfg.state_dir / "spool")
-        self.uploads = UploadTable(self.spool)
-        self.slots = ReceiveSlots(cfg.server.concurrent_uploads)
-        self.send_slots = SendSlots(cfg.server.concurrent_fetches)
+        self.send_slots = SendSlots(cfg.server.concurrent_fetches, streams=cfg.transfer.streams)
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
         streaming.check_start(cfg.streaming, self.strategy)  # before any state is touched
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)
-        # Before the start is counted: a damaged log refuses to start and changes nothing.
-        self.events = EventLog(cfg.state_dir / "events.jsonl", cfg.events)
-        self.members = Membership(self.store.next_epoch(), cfg.timeouts, cfg.rounds.max_sites)
+        self._open_state(term)
         downlink = streaming.downlink_config(cfg.downlink, cfg.streaming)
         self.downlink = Downlink(downlink) if downlink is not None else None
         self.sink = EventSink(self.events)
@@ -93,6 +93,17 @@ class CoordinatorCore:
         # With [streaming]: the fragment each round syncs (a plan that cannot be made stops
         # the start here with its ConfigError).
         self.tensors = RoundTensors.of(self.state.theta.tensors, self.trainable, cfg.streaming)
+        self.slots = ReceiveSlots(
+            upload_slots(
+                cfg.server.concurrent_uploads,
+                sum(self.state.theta.tensors[n].numel() * 4 for n in self.trainable),
+                cfg.server.receive_window_bytes,
+            )
+        )
+        if cfg.server.concurrent_uploads is None:
+            log.info(
+                "receiving at most %d uploads at once (sized from the model)", self.slots.capacity
+            )
         self.intake = UpdateIntake(
             self.spool,
             self.uploads,
@@ -113,6 +124,32 @@ class CoordinatorCore:
         # Before any round: a job whose updates cannot be combined within memory stops here.
         like = {n: self.state.theta.tensors[n] for n in self.trainable}
         self.aggregator.check(self.strategy, cfg.rounds.max_sites, like)
+
+    def _open_state(self, term: Term | None) -> None:
+        """The checkpoint store, the spool, the event log and this start's epoch. Under an
+        etcd-elected ``term`` (``coordinator.ha``) the spool of an earlier leadership goes, the
+        store's commits are fenced, and the epoch is at least the election's revision."""
+        cfg = self.cfg
+        self.store = open_store(cfg.state_dir, cfg.storage)
+        self.spool = UpdateSpool(cfg.state_dir / "spool")
+        self.uploads = UploadTable(self.spool)
+        # Before the start is counted: a damaged log refuses to start and changes nothing.
+        self.events = EventLog(cfg.state_dir / "events.jsonl", cfg.events)
+        if term is not None:
+            # A new leadership: what this host spooled in an earlier one may not be what the
+            # leaders since then served; every update of the round in flight is sent again.
+            self.spool.drop_rounds_before(sys.maxsize)
+            self.store.fence = term.fence
+        epoch = self.store.next_epoch(term.revision if term is not None else 0)
+        if term is not None:
+            term.fence()  # still leading once counted: a stale candidate stops here
+        self.members = Membership(epoch, cfg.timeouts, cfg.rounds.max_sites)
+        if cfg.storage.remote and not self.store.read_only:
+            # After this start is counted: a deposed leader's commits (and events) are fenced
+            # from here on, so what is adopted now is all the log it will ever hold before ours.
+            from coordinator.event_remote import remote_events_for
+
+            self.store.ship_events = remote_events_for(self.store, self.events).ship
 
     def _site_control(self) -> SiteControl:
         """Drains and the health rules; in shared-data mode a drained site hands back its units."""
@@ -217,7 +254,18 @@ class CoordinatorCore:
             self.evaluator.close()
         self.writer.close()
         self._folder.shutdown(wait=True)
+        self.sink.flush()
+        self._ship_events()
         self.events.close()
+
+    def _ship_events(self) -> None:
+        ship = getattr(self.store, "ship_events_now", None)
+        if ship is None:
+            return
+        try:
+            ship()
+        except Exception as exc:  # the history's upkeep; the state is in the checkpoints
+            log.error("event log: its last records are not in the object store: %s", exc)
 
     # ---- views ----------------------------------------------------------------------------
 
@@ -416,7 +464,28 @@ class CoordinatorCore:
 
     # ---- updates --------------------------------------------------------------------------
 
+    def fence(self) -> None:
+        """Refuse a state change once this coordinator is no longer the elected leader."""
+        if self.term is not None:
+            try:
+                self.term.fence()
+            except StoreError as exc:
+                raise Refused("standby", str(exc)) from exc
+
+    def _may_close(self, round_number: int) -> bool:
+        """Whether this coordinator may close a round now: not once deposed (a theta it
+        published could never be committed; the round loop steps down next)."""
+        if self.term is None:
+            return True
+        try:
+            self.term.fence()
+        except StoreError as exc:
+            log.warning("not closing round %d: %s", round_number, exc)
+            return False
+        return True
+
     def begin_upload(self, header: PushHeader) -> Upload:
+        self.fence()
         check_name("upload_id", header.upload_id)
         if not (math.isfinite(header.weight) and 0 < header.weight <= 1e15):
             raise Refused("invalid", f"weight must be a finite number > 0, got {header.weight}")
@@ -455,11 +524,13 @@ class CoordinatorCore:
             yield
         finally:
             self.slots.leave(key)
+            heap.trim()  # the stream's read buffers are free now
 
     def finish_upload(self, upload: Upload, token: int) -> bool:
         """Count a fully received upload; returns False if bytes are still missing."""
         if not upload.complete:
             return False
+        self.fence()
         norm = self.intake.verify(upload)  # the slow checks, without the lock
         with self._locked():
             admission, weight = self.counter.reserve(upload, token, self.clock())
@@ -489,7 +560,7 @@ class CoordinatorCore:
                 f"recording round {step.round_file[0]}",
                 self.stopping,
             )
-        if step.order is None:
+        if step.order is None or not self._may_close(step.order.round.number):
             return False
         self.pipeline.run(step.order)
         if step.order.after_pin:

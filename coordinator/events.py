@@ -22,6 +22,7 @@ the segments, then the live file (``read_history``).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -50,6 +51,7 @@ from coordinator.event_history import (
     read_events,
     read_history,
     remove_temporaries,
+    segment_folder,
     segment_path,
     should_rotate,
     to_prune,
@@ -195,6 +197,45 @@ class EventLog:
             log.error("%s", Gap(*lost, line=0, noted=False).report(self._path, why))
             self._append_at(lost[1] + 1, LOST, {"first": lost[0], "last": lost[1], "reason": why})
             return lost
+
+    def adopt(self, records: list[dict[str, Any]]) -> None:
+        """Append records another coordinator logged, as they are (seq, wall and fields kept;
+        ``coordinator.event_remote``), in one write.
+
+        Raises
+        ------
+        EventLogError
+            Their seqs do not continue this log one by one; nothing is written.
+        """
+        with self._lock:
+            want = range(self._last_seq + 1, self._last_seq + 1 + len(records))
+            if [r.get("seq") for r in records] != list(want):
+                raise EventLogError(f"{self._path}: adopted records do not follow {self._last_seq}")
+            if not records:
+                return
+            if self._live.closed:
+                raise EventLogError(f"{self._path}: the event log is closed")
+            self._live.append(b"".join(encode(r) for r in records))
+            self._last_seq = records[-1]["seq"]
+            if self._live_first is None:
+                self._live_first = records[0]["seq"]
+            closed = [r["round"] for r in records if r.get("kind") == "round_closed"]
+            if closed and isinstance(closed[-1], int):
+                self._closed_round, self._look_back = closed[-1], False
+
+    def set_aside(self, tag: str) -> Path:
+        """Move the live file and its segments aside (``NAME.TAG``) and start an empty log;
+        returns where the live file went."""
+        with self._lock:
+            self._live.close()
+            aside = self._path.with_name(f"{self._path.name}.{tag}")
+            os.replace(self._path, aside)
+            folder = segment_folder(self._path)
+            if folder.is_dir():
+                os.replace(folder, folder.with_name(f"{folder.name}.{tag}"))
+            fsync_dir(self._path.parent)
+        self.__init__(self._path, self.config)
+        return aside
 
     def _append_at(self, seq: int, kind: str, fields: dict[str, Any]) -> int:
         if self._live.closed:

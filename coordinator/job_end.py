@@ -10,6 +10,10 @@ restarted: sites of the last round may still need it.
 A signal stops the coordinator cleanly (the checkpoint being written is finished) and it exits
 as shells expect of a process ended by that signal, 128 + its number (130 for SIGINT, 143 for
 SIGTERM), saying how to resume.
+
+With standby coordinators (``serve --ha``) the record also goes to the object store, before the
+leader resigns: the coordinator elected next finds it there and exits 0 too, rather than
+serving the final model again to sites that already left.
 """
 
 from __future__ import annotations
@@ -32,18 +36,29 @@ class Completion:
     theta_sha256: str
 
 
+def completion_bytes(done: Completion) -> bytes:
+    return json.dumps(asdict(done), indent=1).encode()
+
+
+def parse_completion(data: bytes) -> Completion | None:
+    """The record in ``data``, or None if it is not one (then the job is served)."""
+    try:
+        return Completion(**json.loads(data))
+    except (ValueError, TypeError):
+        return None
+
+
 def write_completion(state_dir: Path, done: Completion) -> None:
     from coordinator.store import write_atomic  # torch: not for `coordinator --help`
 
-    write_atomic(Path(state_dir) / COMPLETE, json.dumps(asdict(done), indent=1).encode())
+    write_atomic(Path(state_dir) / COMPLETE, completion_bytes(done))
 
 
 def read_completion(state_dir: Path) -> Completion | None:
     """The completion record, or None (none written, or unreadable: then the job is served)."""
     try:
-        data = json.loads((Path(state_dir) / COMPLETE).read_text())
-        return Completion(**data)
-    except (OSError, ValueError, TypeError):
+        return parse_completion((Path(state_dir) / COMPLETE).read_bytes())
+    except OSError:
         return None
 
 

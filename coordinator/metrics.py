@@ -147,7 +147,10 @@ RECEIVE_ROWS = (
     ("uploads_receiving", "Uploads being received now (on one stream or several)"),
     ("uploads_waiting", "Uploads waiting for a receive slot"),
     ("uploads_receiving_peak", "The most uploads received at once"),
-    ("receive_slots", "server.concurrent_uploads (0: no limit)"),
+    (
+        "receive_slots",
+        "Uploads received at once: server.concurrent_uploads or sized from the model (0: no limit)",
+    ),
 )
 SEND_ROWS = (
     ("fetches_sending", "Fetch streams being sent now"),

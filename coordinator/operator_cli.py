@@ -11,7 +11,8 @@ import argparse
 import sys
 
 from wire.cli_flags import add_security_flags, bundle_from_flags
-from wire.config_table import ConfigError, check_listen
+from wire.config_table import ConfigError
+from wire.leader import parse_addresses
 
 
 def add_drain_parsers(sub) -> None:
@@ -21,7 +22,7 @@ def add_drain_parsers(sub) -> None:
     ):
         p = sub.add_parser(name, help=what, description=what)
         p.add_argument("site", metavar="SITE", help="the site's name")
-        p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+        p.add_argument("--coordinator", required=True, metavar="HOST:PORT[,HOST:PORT]")
         if name == "drain":
             p.add_argument("--reason", default="", help="shown in status and the event log")
         p.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
@@ -30,25 +31,25 @@ def add_drain_parsers(sub) -> None:
 
 def run_drain(args: argparse.Namespace) -> int:
     """Send the call; print what the coordinator did (exit 0) or why it refused (exit 1)."""
-    if problem := check_listen(args.coordinator):
+    if problem := parse_addresses(args.coordinator)[1]:
         raise ConfigError(f"--coordinator {args.coordinator}: {problem}")
     import grpc
 
-    from wire.channel import open_channel
+    from coordinator.ha_cli import call_leader
     from wire.proto import isthmus_pb2 as pb
-    from wire.proto import isthmus_pb2_grpc as pb_grpc
 
     bundle = bundle_from_flags(args)
     request = pb.DrainRequest(
         site=args.site, undrain=args.command == "undrain", reason=getattr(args, "reason", "")
     )
-    with open_channel(args.coordinator, bundle) as channel:
-        try:
-            reply = pb_grpc.CoordinatorStub(channel).Drain(request, timeout=args.timeout)
-        except grpc.RpcError as exc:
-            failure = operator_call_failure(args.coordinator, exc, bundle)
-            print(f"coordinator: error: {failure}", file=sys.stderr)
-            return 1
+    try:
+        reply, _ = call_leader(
+            args.coordinator, bundle, lambda stub: stub.Drain(request, timeout=args.timeout)
+        )
+    except grpc.RpcError as exc:
+        failure = operator_call_failure(exc.isthmus_address, exc, bundle)
+        print(f"coordinator: error: {failure}", file=sys.stderr)
+        return 1
     print(reply.message)
     print(f"drained now: {', '.join(reply.drained) or 'none'}")
     return 0
@@ -66,6 +67,8 @@ def operator_call_failure(address: str, exc, bundle) -> str:
         return f"{address} refused the call ({code.name}): {exc.details()}"
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return f"{address} refused the call: {exc.details()}"
+    if code == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith("standby"):
+        return f"{address} is a {exc.details()}"  # "standby; the leader is ..." (serve --ha)
     if code == grpc.StatusCode.UNAVAILABLE and bundle and looks_like_tls(exc.details()):
         problem = diagnose(address, bundle)
         if problem is not None:

@@ -25,6 +25,24 @@ from collections.abc import Callable, Hashable, Mapping
 from wire.bulk import RESERVE_WAIT_S
 
 GRANT_TTL_S = 10.0
+# Sized from the model (``server.concurrent_uploads`` unset): the uploads received at once
+# hold about this fraction of one update's float32 bytes in windows, between these bounds.
+AUTO_SHARE, AUTO_MIN, AUTO_MAX = 0.25, 2, 8
+ASSUMED_WINDOW_BYTES = 8 << 20  # for a window gRPC sizes itself (``receive_window_bytes`` 0)
+
+
+def upload_slots(configured: int | None, update_bytes: int, window_bytes: int) -> int:
+    """How many uploads to receive at once (pure): ``configured`` if set (0: no limit), else
+    as many windows as fit in ``AUTO_SHARE`` of an update, from ``AUTO_MIN`` to ``AUTO_MAX``.
+
+    Memory is what a slot costs (a window of bytes in flight, and a chunk or two); ingress
+    bandwidth is what it buys (a window per round trip). A small model gets few slots, so
+    that its sites' windows do not outweigh it (two slots of 8 MiB still take 1.6 Gbit/s at
+    an 80 ms RTT); from a 256 MiB model on, the full eight."""
+    if configured is not None:
+        return configured
+    window = window_bytes or ASSUMED_WINDOW_BYTES
+    return max(AUTO_MIN, min(AUTO_MAX, int(update_bytes * AUTO_SHARE) // window))
 
 
 def slots_to_grant(

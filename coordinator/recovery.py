@@ -64,7 +64,8 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
         )
     else:
         where = f"the checkpoint of round {ckpt.round}"
-        core.events.check_known(ckpt.meta.get("events_seq"), where)
+        if core.term is None:  # elected through etcd: another host's log wrote that seq
+            core.events.check_known(ckpt.meta.get("events_seq"), where)
         call_hook(core.strategy, "load_state_dict", ckpt.strategy_state)
         file = core.theta_files.start(ckpt.round, ckpt.theta, ckpt.theta_file)
         log.info("resumed job %r at round %d (epoch %d)", cfg.name, ckpt.round, core.members.epoch)
@@ -115,7 +116,10 @@ def resume(core) -> None:
         for update in checks(s.round.number).good:
             if update.key.late_from is not None:  # folded before the round opened
                 s.accepted[update.key] = update
-    s.wanted = Wanted(s.round.number, _lost(checks(s.round.number), pin))
+    # After a takeover every update of the round in flight is wanted: they went to a spool
+    # on another host (a site re-sends one it delivered there; one never sent is just sent).
+    every = core.term is not None
+    s.wanted = Wanted(s.round.number, _lost(checks(s.round.number), pin), every)
     s.pinned = pin if s.round.opened_at is not None else None
     # A drained site is refused when it re-joins: holding a lease for it would only keep the
     # round waiting for an update that cannot come.

@@ -46,6 +46,7 @@ class Manifest:
     attempt: str
     objects: dict[str, Part]
     written_at: float = 0.0
+    epoch: int = 0  # the start that wrote it (``coordinator.s3_epochs``; 0: an older version)
 
     @property
     def bytes(self) -> int:
@@ -104,6 +105,7 @@ def manifest_json(m: Manifest) -> bytes:
         "round": m.round,
         "attempt": m.attempt,
         "written_at": m.written_at,
+        "epoch": m.epoch,
         "objects": objects,
     }
     return json.dumps(doc, indent=1, sort_keys=True).encode()
@@ -129,7 +131,10 @@ def parse_manifest(data: bytes, round_number: int) -> Manifest:
         name: _part(name, spec, data_key(round_number, attempt, name))
         for name, spec in objects.items()
     }
-    return Manifest(round_number, attempt, parts, float(doc.get("written_at", 0.0)))
+    epoch = doc.get("epoch", 0)
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise ManifestError(f"{MANIFEST}: bad epoch {epoch!r}")
+    return Manifest(round_number, attempt, parts, float(doc.get("written_at", 0.0)), epoch)
 
 
 def _part(name: str, spec: Any, want_key: str) -> Part:

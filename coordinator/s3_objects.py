@@ -170,3 +170,24 @@ def delete_keys(client, bucket: str, keys: list[str]) -> None:
     for i in range(0, len(keys), 1000):
         batch = [{"Key": k} for k in keys[i : i + 1000]]
         client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+
+
+def download_verified(client, bucket: str, key: str, sha256: str, size: int, dest) -> None:
+    """Stream an object to the file ``dest``, hashing as it comes; ``ValueError`` (and no
+    ``dest``) unless it is ``size`` bytes long and hashes to ``sha256``."""
+    h, got = hashlib.sha256(), 0
+    try:
+        body = client.get_object(Bucket=bucket, Key=key)["Body"]
+        with open(dest, "wb") as f:
+            for chunk in iter(lambda: body.read(4 << 20), b""):
+                h.update(chunk)
+                got += len(chunk)
+                f.write(chunk)
+        if got != size:
+            raise ValueError(f"{key}: {got} bytes, the manifest says {size}")
+        if h.hexdigest() != sha256:
+            raise ValueError(f"{key} does not match the SHA-256 in its manifest")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(dest)
+        raise

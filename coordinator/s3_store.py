@@ -14,8 +14,14 @@ The same interface as ``coordinator.store.CheckpointStore`` (``save``, ``load_la
 - ``next_epoch``: read-increment-write of ``PREFIX/epoch`` with ``If-Match`` on its ETag
   (``If-None-Match: *`` for the first), retried on 412: two coordinators starting on one
   store never get the same epoch.
+- Fencing: before a manifest is written, ``fence`` (set by a coordinator elected through
+  etcd, ``coordinator.ha``) must say this coordinator still leads, and ``PREFIX/epoch`` must
+  still hold this start's epoch: a coordinator that started after it (a new leader counts its
+  start before it loads a checkpoint) has taken the store over, and this one's commit is
+  refused. The manifest write itself stays conditional (``If-None-Match: *``).
 
-The spool, the event log, the drain list and the lock stay in the local state folder.
+The event log goes up in segments beside the checkpoints (``coordinator.event_remote``,
+through ``ship_events``); the spool, the drain list and the lock stay in the local state folder.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 from safetensors.torch import load as load_safetensors
 
+from coordinator import s3_epochs as epochs
 from coordinator import s3_layout as layout
 from coordinator.s3_objects import (
     Blob,
@@ -69,6 +77,12 @@ class S3CheckpointStore:
         self.read_only = read_only
         self._write = threading.Lock()
         self._damaged: set[int] = set()  # rounds this store found unusable (may be re-written)
+        self.epoch: int | None = None  # this start's, once counted (``next_epoch``)
+        # Raises StoreError when this coordinator may no longer commit (``coordinator.ha``).
+        self.fence: Callable[[], None] | None = None
+        # Publishes the event log's new records (``coordinator.event_remote``): run inside the
+        # fencing, before each manifest is written, so a commit's events are never lost.
+        self.ship_events: Callable[[], object] | None = None
         try:
             client.head_bucket(Bucket=bucket)
         except Exception as exc:
@@ -114,20 +128,47 @@ class S3CheckpointStore:
             key = layout.data_key(ckpt.round, attempt, name)
             put_blob(self.client, self.bucket, self.dir + key, blob, self.part_bytes)
             parts[name] = layout.Part(key, blob.sha256(), blob.size)
-        return layout.Manifest(ckpt.round, attempt, parts, meta["written_at"])
+        return layout.Manifest(ckpt.round, attempt, parts, meta["written_at"], self.epoch or 0)
 
     def _commit(self, manifest: layout.Manifest) -> None:
         key = self.dir + layout.manifest_key(manifest.round)
+        self._check_fenced(f"round {manifest.round}")
+        if self.ship_events is not None:
+            self.ship_events()
         if manifest.round in self._damaged:  # found unusable here: this writer replaces it
             log.warning("replacing the damaged checkpoint of round %d", manifest.round)
             delete_keys(self.client, self.bucket, [key])
             self._damaged.discard(manifest.round)
-        if not put_if(self.client, self.bucket, key, layout.manifest_json(manifest), None):
+        body = layout.manifest_json(manifest)
+        if not put_if(self.client, self.bucket, key, body, None) and not self._replace_void(
+            manifest.round, body
+        ):
             raise StoreError(
                 f"round {manifest.round} was already committed by another writer "
                 f"({self.url}checkpoints/{layout.manifest_key(manifest.round)}); this one's "
                 "data is left uncommitted"
             )
+
+    def _replace_void(self, round_number: int, body: bytes) -> bool:
+        """After a refused commit: if the manifest there is void (a deposed coordinator's late
+        write, ``coordinator.s3_epochs``), write this one over it; False if it stands."""
+        key = self.dir + layout.manifest_key(round_number)
+        found = get_with_etag(self.client, self.bucket, key)
+        if found is None:
+            return put_if(self.client, self.bucket, key, body, None)
+        try:
+            there = layout.parse_manifest(found[0], round_number)
+        except layout.ManifestError:
+            return False
+        if epochs.void_by(self._epochs()[0], round_number, there.epoch) is None:
+            return False
+        log.warning(
+            "round %d's manifest was written late by a deposed coordinator (start %d); "
+            "replacing it",
+            round_number,
+            there.epoch,
+        )
+        return put_if(self.client, self.bucket, key, body, found[1])
 
     def _prune(self, keep_round: int) -> None:
         keys = list_keys(self.client, self.bucket, self.dir)
@@ -135,23 +176,71 @@ class S3CheckpointStore:
         delete_keys(self.client, self.bucket, [self.dir + k for k in manifests])
         delete_keys(self.client, self.bucket, [self.dir + k for k in data])
 
-    def next_epoch(self) -> int:
-        """Count this start and return its number (1 for the first start)."""
-        key = self.prefix + "epoch"
+    def ship_events_now(self) -> None:
+        """Publish the event log's tail (at stop), if this coordinator may still write."""
+        if self.ship_events is None or self.read_only:
+            return
+        with self._write:
+            self._check_fenced("the event log's tail")
+            self.ship_events()
+
+    def _check_fenced(self, what: str) -> None:
+        """``StoreError`` unless this coordinator may still commit (see the module docstring)."""
+        if self.fence is not None:
+            self.fence()
+        if self.epoch is None:
+            return
+        record, _ = self._epochs()
+        if record.epoch != self.epoch:
+            raise StoreError(
+                f"not committing {what}: {self.url}epoch is at start {record.epoch}, this "
+                f"coordinator started as {self.epoch}: a newer coordinator has taken the store "
+                "over"
+            )
+
+    def _epochs(self) -> tuple[epochs.EpochRecord, str | None]:
+        """``PREFIX/epoch``'s record and ETag (None: not written yet)."""
+        found = get_with_etag(self.client, self.bucket, self.prefix + "epoch")
+        try:
+            record = epochs.parse_record(found[0] if found is not None else None)
+        except epochs.EpochError as exc:
+            raise StoreError(f"{self.url}epoch is damaged: {exc}") from None
+        return record, found[1] if found is not None else None
+
+    def _replace_epochs(self, change) -> epochs.EpochRecord:
+        """Apply ``change`` (record -> record) to ``PREFIX/epoch`` by conditional writes,
+        again while other starts race it; ``StoreError`` if ``change`` refuses."""
         for tries in range(EPOCH_TRIES):
-            found = get_with_etag(self.client, self.bucket, key)
-            epoch, etag = 0, None
-            if found is not None:
-                text = found[0].decode(errors="replace").strip()
-                if not text.isdigit():
-                    raise StoreError(
-                        f"{self.url}epoch is damaged (expected a number, found {text[:40]!r})"
-                    )
-                epoch, etag = int(text), found[1]
-            if put_if(self.client, self.bucket, key, f"{epoch + 1}\n".encode(), etag):
-                return epoch + 1
+            prev, etag = self._epochs()
+            try:
+                new = change(prev)
+            except epochs.EpochError as exc:
+                raise StoreError(f"{self.url}epoch: {exc}") from None
+            if put_if(self.client, self.bucket, self.prefix + "epoch", new.to_bytes(), etag):
+                return new
             time.sleep(random.uniform(0, min(0.5, 0.005 * 2**tries)))  # another start: again
         raise StoreError(f"{self.url}epoch: still contended after {EPOCH_TRIES} tries")
+
+    def next_epoch(self, revision: int = 0) -> int:
+        """Count this start and return its number (1 for the first start). ``revision``: the
+        etcd revision it was elected at (``coordinator.ha``); ``StoreError`` if a start
+        elected later was counted already (this one is deposed)."""
+        self.epoch = self._replace_epochs(lambda prev: epochs.count_start(prev, revision)).epoch
+        return self.epoch
+
+    def _took_over(self, from_round: int) -> None:
+        """Record the round this start loaded: from now on a manifest of a later round by an
+        earlier start is void (a deposed leader's write that landed late)."""
+        epoch = self.epoch
+        self._replace_epochs(lambda prev: epochs.took_over(prev, epoch, from_round))
+
+    def record_completion(self, data: bytes) -> None:
+        """Say that the job is complete (``coordinator.job_end``), for the standbys."""
+        put_blob(self.client, self.bucket, self.prefix + "complete.json", Blob([data]), 1 << 30)
+
+    def completion(self) -> bytes | None:
+        found = get_with_etag(self.client, self.bucket, self.prefix + "complete.json")
+        return found[0] if found is not None else None
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -165,7 +254,7 @@ class S3CheckpointStore:
         problems = []
         for r in layout.newest_first(self.kept_rounds()):
             try:
-                return self._load(r, theta_only)
+                ckpt = self._load(r, theta_only)
             except (StoreError, ValueError) as exc:
                 self._damaged.add(r)
                 problems.append(f"round {r}: {exc}")
@@ -175,9 +264,17 @@ class S3CheckpointStore:
                     self.url,
                     exc,
                 )
+            else:
+                self._claim(r, theta_only)
+                return ckpt
         if problems:
             raise StoreError(f"no usable checkpoint in {self.url}: " + "; ".join(problems))
+        self._claim(-1, theta_only)
         return None
+
+    def _claim(self, from_round: int, theta_only: bool) -> None:
+        if self.epoch is not None and not theta_only and not self.read_only:
+            self._took_over(from_round)
 
     def load_round(self, round_number: int, theta_only: bool = False) -> Checkpoint:
         """The checkpoint of ``round_number``, verified; ``StoreError`` if it is not kept or
@@ -196,6 +293,13 @@ class S3CheckpointStore:
         if found is None:
             raise StoreError(f"the manifest of round {r} went away (pruned meanwhile?)")
         manifest = layout.parse_manifest(found[0], r)
+        voided = epochs.void_by(self._epochs()[0], r, manifest.epoch)
+        if voided is not None:
+            raise StoreError(
+                f"the manifest of round {r} was written by start {manifest.epoch} after start "
+                f"{voided} took over from an earlier round (a deposed coordinator's late "
+                "write): not a commit"
+            )
         skip = {"strategy.safetensors", "downlink.safetensors"} if theta_only else set()
         raw = {
             name: get_verified(self.client, self.bucket, self.dir + p.key, p.sha256, p.bytes)

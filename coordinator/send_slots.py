@@ -9,8 +9,13 @@ and is answered UNAVAILABLE ("every send slot is busy") if none frees within ``F
 site's share of calls (``coordinator.server``). The coordinator's egress is shared by every
 stream anyway, so a queue costs little time once the slots fill its link.
 
-The decision is the pure ``may_send``; ``SendSlots`` keeps the queue under its own condition
-variable (never the core's lock: a fetch waits here).
+One site may hold at most its share of the slots (``share_of``: its ``[transfer] streams``,
+and never more than half of them): a certificate holder reading one chunk every few minutes
+on many streams must not keep every other site waiting. A stream beyond the share is refused at
+once (sites retry with backoff).
+
+The decisions are the pure ``may_send`` and ``share_of``; ``SendSlots`` keeps the queue under
+its own condition variable (never the core's lock: a fetch waits here).
 """
 
 from __future__ import annotations
@@ -33,45 +38,75 @@ def may_send(capacity: int, sending: int, queue: Sequence[int], ticket: int) -> 
     return sending + ahead < capacity
 
 
+def share_of(capacity: int, streams: int) -> int:
+    """The most slots one site may hold at once: its streams, at most half the slots (at
+    least one). ``capacity`` 0: no limit, and a share of its streams."""
+    if capacity <= 0:
+        return streams
+    return max(1, min(streams, capacity // 2))
+
+
 class SlotsBusy(Exception):
     """No send slot freed within the wait."""
 
 
 class SendSlots:
-    def __init__(self, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, capacity: int, clock: Callable[[], float] = time.monotonic, streams: int = 1
+    ) -> None:
         self.capacity, self.clock = capacity, clock
+        self.share = share_of(capacity, streams)
         self.cond = threading.Condition()
         self.sending = 0
+        self.by_site: dict[str, int] = {}  # streams being sent or waiting, per site
         self.queue: list[int] = []  # tickets of waiting fetches, in arrival order
         self.peak = 0  # the most streams sent at once
         self._tickets = itertools.count()
 
     @contextmanager
-    def slot(self, wait_s: float = FETCH_WAIT_S) -> Iterator[None]:
+    def slot(self, site: str = "", wait_s: float = FETCH_WAIT_S) -> Iterator[None]:
         """Hold a slot for the body (a fetch's whole stream); ``SlotsBusy`` after ``wait_s``."""
-        self.acquire(wait_s)
+        self.acquire(site, wait_s)
         try:
             yield
         finally:
-            self.release()
+            self.release(site)
 
-    def release(self) -> None:
+    def release(self, site: str = "") -> None:
         with self.cond:
             self.sending -= 1
+            self._leave(site)
             self.cond.notify_all()
 
-    def acquire(self, wait_s: float = FETCH_WAIT_S) -> None:
-        """Wait (up to ``wait_s``) for a slot, in arrival order; ``SlotsBusy`` if none frees."""
+    def _leave(self, site: str) -> None:
+        left = self.by_site.get(site, 0) - 1
+        if left > 0:
+            self.by_site[site] = left
+        else:
+            self.by_site.pop(site, None)
+
+    def acquire(self, site: str = "", wait_s: float = FETCH_WAIT_S) -> None:
+        """Wait (up to ``wait_s``) for a slot, in arrival order; ``SlotsBusy`` if none frees,
+        or at once if ``site`` holds its share already."""
         deadline = self.clock() + wait_s
         with self.cond:
+            if self.by_site.get(site, 0) >= self.share:
+                raise SlotsBusy(
+                    f"{site} already has {self.share} fetch stream(s) being sent, its share of "
+                    f"the {self.capacity or 'unlimited'} send slots"
+                )
             ticket = next(self._tickets)
             self.queue.append(ticket)
+            self.by_site[site] = self.by_site.get(site, 0) + 1
             try:
                 while not may_send(self.capacity, self.sending, self.queue, ticket):
                     left = deadline - self.clock()
                     if left <= 0:
                         raise SlotsBusy(f"every send slot ({self.capacity}) is busy")
                     self.cond.wait(min(left, 1.0))
+            except BaseException:
+                self._leave(site)
+                raise
             finally:
                 self.queue.remove(ticket)
                 self.cond.notify_all()  # the next in line may now be first

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import logging
-import os
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -18,11 +15,24 @@ from coordinator.auth import Authorizer, RevocationList
 from coordinator.call_gate import CallGate, CallLimits, method_handlers
 from coordinator.config import JobConfig
 from coordinator.core import CoordinatorCore
+from coordinator.election import standby_message
 from coordinator.export import Exported, export_model, final_model_path, write_model_card
-from coordinator.job_end import Completion, write_completion
+from coordinator.ha import Deposed, HaRole, Term
+from coordinator.ha_options import HaOptions, advertised
+from coordinator.heap import return_freed_memory
+from coordinator.job_end import (
+    Completion,
+    already_complete,
+    complete_message,
+    completion_bytes,
+    parse_completion,
+    write_completion,
+)
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.records import FatalError
+from coordinator.server_process import lock_state_dir
 from coordinator.servicer import CoordinatorServicer
+from coordinator.storage import open_store
 from coordinator.store import StoreError, write_atomic
 from coordinator.watchdog import CallWatchdog
 from wire.grpc_options import server_options
@@ -30,6 +40,7 @@ from wire.identity import Bundle
 
 log = logging.getLogger("isthmus.coordinator")
 TICK_S = 0.2
+DEPOSED_EXIT = 4  # ``serve --ha``: this coordinator lost the leadership (restart it to stand by)
 
 
 @dataclass(frozen=True)
@@ -48,26 +59,41 @@ class CoordinatorServer:
         cfg: JobConfig,
         listen: str | None = None,
         tls: ServerTls | None = None,
+        ha: HaOptions | None = None,
     ) -> None:
-        """``tls=None`` serves plaintext without authentication (``--insecure``)."""
+        """``tls=None`` serves plaintext without authentication (``--insecure``); ``ha``: stand
+        by until elected through etcd (``coordinator.ha``), then load the newest checkpoint."""
         self.cfg = cfg
         self.tls = tls
+        self.ha: HaRole | None = None
+        self.core: CoordinatorCore | None = None
+        self.final: Exported | None = None
+        self.stopped_by: int | None = None  # the signal that stopped the job, if one did
+        self.on_lead: list = []  # run once this coordinator serves the job (pages, metrics)
+        self.exit_code = 0
+        self.stop_event = threading.Event()
         return_freed_memory()
         self._lock = lock_state_dir(Path(cfg.state_dir))
         try:
-            self._setup(cfg, listen)
+            self._bind(cfg, listen)
+            if ha is None:
+                self.server.add_generic_rpc_handlers(self._build(cfg))
+            else:
+                where = advertised(listen or cfg.server.listen, self.address, ha.advertise)
+                self.ha = HaRole(replace(ha, advertise=where), self.authorizer)
+                self.server.add_generic_rpc_handlers((self.ha.switch,))
         except BaseException:
             self.close()
             raise
 
-    def _setup(self, cfg: JobConfig, listen: str | None) -> None:
-        self.stop_event = threading.Event()
+    def _bind(self, cfg: JobConfig, listen: str | None) -> None:
         # Every open call holds a worker thread (a push for its whole transfer, a WaitRound
         # for up to a minute). The gate bounds what each certificate may hold open, so enough
         # workers for every site's share, and a few operators', leaves threads for heartbeats
         # however one caller behaves.
-        limits = CallLimits.for_transfer(cfg.transfer)
-        workers = max(cfg.server.workers, (cfg.rounds.max_sites + 4) * limits.per_caller() + 8)
+        self.limits = CallLimits.for_transfer(cfg.transfer)
+        per_caller = self.limits.per_caller()
+        workers = max(cfg.server.workers, (cfg.rounds.max_sites + 4) * per_caller + 8)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers),
             options=server_options(cfg.server.receive_window_bytes),
@@ -90,64 +116,103 @@ class CoordinatorServer:
         if port == 0:
             raise OSError(f"cannot listen on {address} (address in use or not local?)")
         self.address = f"{address.rpartition(':')[0]}:{port}"
-        self.core = CoordinatorCore(cfg)
+        self.authorizer = Authorizer(revocations)
+
+    def _build(self, cfg: JobConfig, term: Term | None = None) -> tuple:
+        """The core (the state, from the newest checkpoint) and the handlers that serve it."""
+        self.core = CoordinatorCore(cfg, term=term)
         write_model_card(cfg.state_dir, cfg.name, cfg.model)  # what `coordinator export` reads
-        self.final: Exported | None = None
-        self.stopped_by: int | None = None  # the signal that stopped the job, if one did
-        authorizer = Authorizer(revocations)
         self.metrics = CoordinatorMetrics(self.core.snapshot, self.core.slots, self.core.send_slots)
         self.core.sink.observers.append(self.metrics.event)
-        servicer = CoordinatorServicer(self.core, authorizer, self.metrics)
+        leader = self.ha.opts.advertise if self.ha is not None else ""
+        servicer = CoordinatorServicer(self.core, self.authorizer, self.metrics, leader=leader)
         self.watchdog = CallWatchdog()
         self.gate = CallGate(
-            authorizer,
-            limits,
+            self.authorizer,
+            self.limits,
             cfg.server.request_timeout_s,
             cfg.server.stream_idle_s,
             self.watchdog,
             on_refused=self.metrics.refused,
         )
-        self.server.add_generic_rpc_handlers(method_handlers(self.gate, servicer))
-        self.exit_code = 0
+        return method_handlers(self.gate, servicer)
 
     def run(self) -> int:
-        """Serve until the job is done and its sites have left, or until ``stop``."""
+        """Serve until the job is done and its sites have left, or until ``stop``; with
+        ``ha``, stand by until elected first."""
         self.server.start()
         write_atomic(Path(self.cfg.state_dir) / "address", f"{self.address}\n".encode())
         log.info("coordinator for job %r listening on %s", self.cfg.name, self.address)
-        finished_at: float | None = None
         complete = False
         try:
-            while not self.stop_event.is_set():
-                with self.core.wake:
-                    self.core.wake.wait(timeout=TICK_S)
-                try:
-                    while self.core.tick():
-                        pass
-                except (FatalError, OSError) as exc:  # OSError: stopped while the disk was full
-                    log.error("stopping: %s", exc)
-                    self.exit_code = 3
-                    break
-                if self.core.finished:
-                    if finished_at is None:
-                        finished_at = time.monotonic()
-                        self._write_final()
-                    if self.core.evaluations_done() and self._sites_gone(finished_at):
-                        log.info("job %r finished; all sites have left", self.cfg.name)
-                        complete = self.final is not None
-                        break
+            if self.ha is not None and not self._take_over():
+                return self.exit_code
+            for hook in self.on_lead:
+                hook()
+            complete = self._serve_rounds()
         finally:
-            # Bounded: grpc can leave a call it failed to decode unfinished, and then the
-            # stop event never fires; the process must still exit on SIGTERM.
-            self.core.wake_all()
-            if not self.server.stop(grace=1.0).wait(timeout=2.0):
-                log.warning("gRPC calls still open after stop; exiting anyway")
-            self.core.close()
-            self.watchdog.stop()
-            if complete:
-                self._record_completion()
-            self.close()
+            self._shut_down(complete)
         return self.exit_code
+
+    def _take_over(self) -> bool:
+        """Stand by, then build the core once elected; False if stopped (or failed) first."""
+        self.ha.start()
+        term = self.ha.wait_elected(self.stop_event)
+        if term is None or self._complete_in_store():
+            return False
+        try:
+            self.ha.switch.lead(self._build(self.cfg, term))
+        except (StoreError, FatalError, OSError) as exc:  # deposed while loading, a bad store
+            log.error("cannot take over: %s", exc)
+            self.exit_code = 3 if not isinstance(exc, Deposed) else DEPOSED_EXIT
+            return False
+        return True
+
+    def _serve_rounds(self) -> bool:
+        """The round clock; True once the job is complete and its sites have left."""
+        finished_at: float | None = None
+        while not self.stop_event.is_set():
+            with self.core.wake:
+                self.core.wake.wait(timeout=TICK_S)
+            if self.ha is not None and (lost := self.ha.lost()) is not None:
+                self.ha.step_down()
+                log.error("stepping down: %s", standby_message(lost))
+                self.exit_code = DEPOSED_EXIT
+                return False
+            try:
+                while self.core.tick():
+                    pass
+            except (FatalError, OSError) as exc:  # OSError: stopped while the disk was full
+                log.error("stopping: %s", exc)
+                self.exit_code = 3
+                return False
+            if self.core.finished:
+                if finished_at is None:
+                    finished_at = time.monotonic()
+                    self._write_final()
+                if self.core.evaluations_done() and self._sites_gone(finished_at):
+                    log.info("job %r finished; all sites have left", self.cfg.name)
+                    return self.final is not None
+        return False
+
+    def _shut_down(self, complete: bool) -> None:
+        # Bounded: grpc can leave a call it failed to decode unfinished, and then the
+        # stop event never fires; the process must still exit on SIGTERM.
+        if self.ha is not None:
+            self.ha.step_down()
+        if self.core is not None:
+            self.core.wake_all()
+        if not self.server.stop(grace=1.0).wait(timeout=2.0):
+            log.warning("gRPC calls still open after stop; exiting anyway")
+        if self.core is not None:
+            self.core.close()
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.stop()
+        if complete:
+            self._record_completion()
+        if self.ha is not None:  # after the last checkpoint: a standby takes over from it
+            self.ha.close()
+        self.close()
 
     def _write_final(self) -> None:
         """The final model as a file of its own, once the last checkpoint is on disk."""
@@ -168,8 +233,24 @@ class CoordinatorServer:
         done = Completion(self.cfg.name, card.round, str(self.final.path), card.theta_sha256)
         try:
             write_completion(self.cfg.state_dir, done)
-        except OSError as exc:  # the model is written; a later start just serves it again
+            if self.ha is not None:  # before resigning: the next leader must find it
+                self.core.store.record_completion(completion_bytes(done))
+        except (OSError, StoreError) as exc:  # the model is written; a later start serves it
             log.warning("could not record the job as complete: %s", exc)
+
+    def _complete_in_store(self) -> bool:
+        """Elected after the job completed elsewhere: record it here too, and do not serve."""
+        try:
+            data = open_store(self.cfg.state_dir, self.cfg.storage, True).completion()
+        except (StoreError, OSError) as exc:
+            log.warning("could not read the job's completion record: %s", exc)
+            return False
+        done = parse_completion(data) if data is not None else None
+        if not already_complete(done, self.cfg.name, self.cfg.rounds.total):
+            return False
+        log.info("%s (recorded by the coordinator that finished it)", complete_message(done))
+        write_completion(self.cfg.state_dir, done)
+        return True
 
     def close(self) -> None:
         """Let go of the state folder (``run`` does this when it returns)."""
@@ -200,24 +281,8 @@ class CoordinatorServer:
         if signum is not None and self.stopped_by is None:
             self.stopped_by = signum
         self.stop_event.set()
-        self.core.stopping.set()  # a write waiting for disk space gives up
-
-
-def return_freed_memory() -> None:
-    """Make glibc give large freed blocks back to the system at once.
-
-    The coordinator's buffers come and go in model-sized and chunk-sized (2 MiB) pieces on many
-    threads. glibc raises its mmap threshold after each large free and keeps freed blocks in
-    per-thread arenas, so a process that once held a chunk per stream keeps that memory for
-    good, and its RSS grows with the number of sites. A fixed 1 MiB threshold maps every large
-    block on its own (returned when freed), and two arenas bound the rest. No-op off glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_mmap_threshold, m_arena_max = -3, -8
-    libc.mallopt(m_mmap_threshold, 1 << 20)
-    libc.mallopt(m_arena_max, 2)
+        if self.core is not None:
+            self.core.stopping.set()  # a write waiting for disk space gives up
 
 
 def final_fetch_owed(live: set[str], last_round: set[str], left: set[str]) -> set[str]:
@@ -227,31 +292,3 @@ def final_fetch_owed(live: set[str], last_round: set[str], left: set[str]) -> se
     ``timeouts.final_fetch_s``.
     """
     return set(live) | (set(last_round) - set(left))
-
-
-def lock_state_dir(state_dir: Path):
-    """Hold an exclusive lock on the state folder for as long as the returned file is open.
-
-    Two coordinators on one state folder would write over each other's checkpoints and spool;
-    the second one is refused here. The kernel drops the lock when the process dies, so a
-    coordinator killed with -9 never leaves a stale lock behind.
-    """
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        f = open(state_dir / "lock", "a+")  # noqa: SIM115 - kept open while serving
-    except OSError as exc:
-        raise StoreError(f"cannot use state folder {state_dir}: {exc.strerror}") from exc
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise StoreError(
-            f"state folder {state_dir} is in use by another coordinator ({holder}); "
-            "stop that one first, or give this job another job.state_dir"
-        ) from None
-    f.truncate(0)
-    f.write(f"pid {os.getpid()}\n")
-    f.flush()
-    return f

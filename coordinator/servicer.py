@@ -15,6 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from coordinator import heap
 from coordinator.auth import AuthError, Authorizer
 from coordinator.core import CoordinatorCore
 from coordinator.metrics import CoordinatorMetrics
@@ -24,6 +25,7 @@ from coordinator.status import status_reply
 from wire.bulk import chunk_frame, parse_chunk
 from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError, iter_chunks
 from wire.health import Probe
+from wire.leader import LEADER_KEY
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.transfer import Piece
@@ -43,6 +45,8 @@ STATUS_CODES = {
     "not_found": grpc.StatusCode.NOT_FOUND,
     "full": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "busy": grpc.StatusCode.UNAVAILABLE,
+    # No longer the elected leader (``coordinator.ha``): the site finds the one that is.
+    "standby": grpc.StatusCode.UNAVAILABLE,
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "denied": grpc.StatusCode.PERMISSION_DENIED,
 }
@@ -55,8 +59,13 @@ def _refusals_to_status(method):
         log.info("%s refused: %s", method.__name__, exc)
         code = STATUS_CODES.get(exc.code, grpc.StatusCode.INVALID_ARGUMENT)
         servicer.metrics.refused(method.__name__, code.name)
+        metadata = []
         if exc.committed_by:  # which site's copy of a data unit won: a field, not prose
-            context.set_trailing_metadata(((COMMITTED_BY, exc.committed_by),))
+            metadata.append((COMMITTED_BY, exc.committed_by))
+        if servicer.leader and exc.code != "standby":  # the leader's own: a client stays here
+            metadata.append((LEADER_KEY, servicer.leader))
+        if metadata:
+            context.set_trailing_metadata(tuple(metadata))
         context.abort(code, str(exc))
 
     if inspect.isgeneratorfunction(method):
@@ -144,7 +153,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         authorizer: Authorizer,
         metrics: CoordinatorMetrics,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        leader: str = "",
     ) -> None:
+        """``leader``: this coordinator's advertised address when elected through etcd
+        (``serve --ha``); its refusals name it, so a site does not take them for an outage."""
+        self.leader = leader
         self.core = core
         self.authorizer = authorizer
         self.metrics = metrics
@@ -262,7 +275,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             header.manifest.CopyFrom(pub.manifest.to_proto())
             chunks = pub.payload.chunks(self.chunk_bytes, start, stop)
         try:
-            self.core.send_slots.acquire()
+            self.core.send_slots.acquire(request.lease.site)
         except SlotsBusy as exc:
             raise Refused("busy", f"{exc}; fetch again") from None
         try:
@@ -272,7 +285,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 self.core.count_sent(len(data))
                 self.metrics.sent(request.lease.site, len(data))
         finally:
-            self.core.send_slots.release()
+            self.core.send_slots.release(request.lease.site)
+            heap.trim()  # its chunks are free now
 
     @_refusals_to_status
     def Push(self, request_iterator, context) -> pb.PushReply:

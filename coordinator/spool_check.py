@@ -124,17 +124,21 @@ def check_round(spool: UpdateSpool, round_number: int) -> SpoolCheck:
 
 @dataclass(frozen=True)
 class Wanted:
-    """Updates of round ``round`` whose spooled copy was lost: their sites are asked again."""
+    """Updates of round ``round`` whose spooled copy was lost: their sites are asked again.
+
+    ``every``: all of the round's updates are (a coordinator elected through etcd took over
+    from another host, whose spool it does not have)."""
 
     round: int = -1
     keys: frozenset[UpdateKey] = frozenset()
+    every: bool = False
 
     def asks_for(self, round_number: int, key: UpdateKey, counted, committing) -> bool:
         """Whether ``key`` is wanted again in ``round_number``: its copy was lost and no other
         is counted or being counted."""
         return (
             round_number == self.round
-            and key in self.keys
+            and (self.every or key in self.keys)
             and key not in counted
             and key not in committing
         )

@@ -87,12 +87,13 @@ def region_of(session) -> str | None:
     return session.region_name or os.environ.get("AWS_REGION") or None
 
 
-def check_storage(cfg: StorageConfig) -> None:
+def check_storage(cfg: StorageConfig, where: str | None = None) -> None:
     """Refuse an object store that cannot be reached for want of a setting (``ConfigError``,
-    one line naming the variable or key); nothing for the local state folder."""
+    one line naming the variable or key, after ``where``: the setting that named the store);
+    nothing for the local state folder."""
     if not cfg.remote:
         return
-    where = f"storage.url = {cfg.url!r}"
+    where = where or f"storage.url = {cfg.url!r}"
     key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
     if bool(key) != bool(secret):
         missing = "AWS_SECRET_ACCESS_KEY" if key else "AWS_ACCESS_KEY_ID"

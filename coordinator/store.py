@@ -133,8 +133,10 @@ class CheckpointStore:
         for stale in self.root.glob(".epoch.tmp-*"):
             stale.unlink(missing_ok=True)
 
-    def next_epoch(self) -> int:
-        """Count this start and return its number (1 for the first start)."""
+    def next_epoch(self, revision: int = 0) -> int:
+        """Count this start and return its number (1 for the first start). ``revision`` is
+        for a store shared by coordinators elected through etcd, which a local folder never
+        is (``serve --ha`` needs object storage)."""
         path = self.root / "epoch"
         epoch = 0
         if path.exists():

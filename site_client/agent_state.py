@@ -32,6 +32,7 @@ class AgentConfig:
     shm_dir: Path
     inner_steps: int | None = None  # None: the job's H
     wait_poll_s: float = 1.0
+    checkpoint_url: str = ""  # "": the trainers' checkpoints go to run_dir/checkpoints
 
 
 @dataclass(frozen=True)

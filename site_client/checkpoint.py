@@ -21,13 +21,11 @@ values must be the same on every rank: rank 0's are written.
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,15 +44,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._pytree import tree_map_only
 
+from site_client.ckpt_collectives import (
+    SiteCheckpointError,
+    all_ok,
+    describe,
+    device,
+    rank,
+    run_on_rank0,
+    single_process_ok,
+    world,
+)
 from site_client.dcp_reader import SafeFileSystemReader
 
 MANIFEST = "isthmus_site_checkpoint.json"
 _FORMAT = "isthmus-site-checkpoint/1"
 Extra = dict[str, torch.Tensor | int | float]
-
-
-class SiteCheckpointError(RuntimeError):
-    """A site checkpoint is missing, incomplete or corrupt, or could not be written."""
 
 
 @dataclass(frozen=True)
@@ -134,33 +138,42 @@ def write_staged(
     site's process group)."""
     cfg = config or SiteCheckpointConfig()
     path = Path(path).absolute()
-    encoded = {k: _encode(k, v) for k, v in (extra or {}).items()}
+    encoded = encode_extra(extra)
     tmp = path.parent / f".{path.name}.partial"
     mkdir = lambda: (shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True))  # noqa: E731
-    _run_on_rank0(mkdir, tmp, group)
+    run_on_rank0(mkdir, tmp, group)
     try:
-        with _single_process_ok():
+        with single_process_ok():
             writer = dcp.FileSystemWriter(tmp, sync_files=cfg.fsync)
             on_group = {"process_group": group} if group is not None else {}
             dcp.save(staged.state, storage_writer=writer, **on_group)
     except (Exception, CheckpointException) as exc:
-        raise SiteCheckpointError(f"cannot write site checkpoint {path}: {_describe(exc)}") from exc
+        raise SiteCheckpointError(f"cannot write site checkpoint {path}: {describe(exc)}") from exc
     # Every rank lists the directory, so all must see every rank's files (and DCP's metadata).
-    _all_ok(True, group)
+    all_ok(True, group)
     digests = _hash_files(tmp, sorted(_list_files(tmp)), cfg.fsync, group)
     unreadable = [name for name, d in digests.items() if d["size"] < 0]
     if unreadable:
         raise SiteCheckpointError(f"cannot write site checkpoint {path}: {unreadable[0]} vanished")
-    manifest = {
+    manifest = manifest_doc(staged, encoded, digests, world(group))
+    run_on_rank0(lambda: _publish(tmp, path, manifest, cfg.fsync), path, group)
+    return path
+
+
+def manifest_doc(staged: Staged, extra: dict, files: dict, world_size: int) -> dict[str, Any]:
+    """The manifest of a checkpoint of ``staged`` (``extra`` encoded, ``files`` hashed)."""
+    return {
         "format": _FORMAT,
-        "world_size": _world(group),
+        "world_size": world_size,
         "has_optimizer": "optim" in staged.state,
         "optimizer_initialised": not staged.fresh,
-        "extra": encoded,
-        "files": digests,
+        "extra": extra,
+        "files": files,
     }
-    _run_on_rank0(lambda: _publish(tmp, path, manifest, cfg.fsync), path, group)
-    return path
+
+
+def encode_extra(extra: Extra | None) -> dict[str, Any]:
+    return {k: _encode(k, v) for k, v in (extra or {}).items()}
 
 
 class AsyncCheckpointer:
@@ -173,8 +186,10 @@ class AsyncCheckpointer:
     the checkpoint is complete on disk.
     """
 
-    def __init__(self, config: SiteCheckpointConfig | None = None) -> None:
+    def __init__(self, config: SiteCheckpointConfig | None = None, write=None) -> None:
         self.config = config
+        # ``write(path, staged, extra, config=, group=)``: the local folder's by default.
+        self.write = write or write_staged
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="site-checkpoint")
         self._last: Future | None = None
@@ -185,7 +200,7 @@ class AsyncCheckpointer:
         staged.release(optimizer)
 
         def write() -> Path:
-            written = write_staged(path, staged, extra, config=self.config, group=self.group)
+            written = self.write(path, staged, extra, config=self.config, group=self.group)
             if on_done is not None:
                 on_done(written)
             return written
@@ -227,7 +242,7 @@ def load_site_checkpoint(
     cfg = config or SiteCheckpointConfig()
     path = Path(path).absolute()
     manifest, error = _read_manifest(path, want_optimizer=optimizer is not None)
-    if not _all_ok(not error):
+    if not all_ok(not error):
         raise SiteCheckpointError(f"cannot load site checkpoint {path}: {error or 'see rank 0'}")
     if cfg.verify:
         files = manifest["files"]
@@ -235,15 +250,21 @@ def load_site_checkpoint(
         bad = [n for n in sorted(files) if got[n] != files[n]]
         if bad:
             raise SiteCheckpointError(f"site checkpoint {path} is corrupt: {bad[0]} does not match")
+    return load_staged(path, model, optimizer, manifest, SafeFileSystemReader(path))
+
+
+def load_staged(where, model, optimizer, manifest: dict[str, Any], reader) -> Extra:
+    """Read a checkpoint through the DCP ``reader`` into copies of this rank's state, then
+    apply them (only once reading succeeded) and return the manifest's ``extra``."""
     state, fresh = _state_dict(model, optimizer)
     staged = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
     try:
-        with _single_process_ok():
-            dcp.load(staged, storage_reader=SafeFileSystemReader(path))
+        with single_process_ok():
+            dcp.load(staged, storage_reader=reader)
     except (Exception, CheckpointException) as exc:
         if fresh:
             optimizer.state.clear()
-        raise SiteCheckpointError(f"cannot load site checkpoint {path}: {_describe(exc)}") from exc
+        raise SiteCheckpointError(f"cannot load site checkpoint {where}: {describe(exc)}") from exc
     if optimizer is None:
         set_model_state_dict(model, staged["model"])
     else:
@@ -253,6 +274,11 @@ def load_site_checkpoint(
         if not manifest["optimizer_initialised"]:
             optimizer.state.clear()
     return manifest["extra"]
+
+
+def complete_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints in ``directory``, oldest first (numbers in names numerically)."""
+    return _complete(Path(directory))
 
 
 def latest_site_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -276,16 +302,25 @@ def _complete(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     done = [p for p in root.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()]
-    return sorted(done, key=lambda p: _natural_key(p.name))
+    return sorted(done, key=lambda p: natural_key(p.name))
 
 
 def _read_manifest(path: Path, want_optimizer: bool) -> tuple[dict[str, Any], str]:
     """The manifest at ``path`` and an empty string, or ``{}`` and what is wrong with it."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        text = (path / MANIFEST).read_text()
     except FileNotFoundError:
         return {}, "no such checkpoint (missing, or never completed)"
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        return {}, f"unreadable manifest: {exc}"
+    return check_manifest(text, want_optimizer)
+
+
+def check_manifest(text: str | bytes, want_optimizer: bool) -> tuple[dict[str, Any], str]:
+    """A manifest's document and an empty string, or ``{}`` and what is wrong with it."""
+    try:
+        manifest = json.loads(text)
+    except ValueError as exc:
         return {}, f"unreadable manifest: {exc}"
     keys = {"format", "has_optimizer", "optimizer_initialised", "extra", "files"}
     if not isinstance(manifest, dict) or not keys <= manifest.keys():
@@ -294,6 +329,8 @@ def _read_manifest(path: Path, want_optimizer: bool) -> tuple[dict[str, Any], st
         return {}, f"unknown format {manifest['format']!r}"
     if want_optimizer and not manifest["has_optimizer"]:
         return {}, "it holds no optimiser state"
+    if not isinstance(manifest["files"], dict) or not isinstance(manifest["extra"], dict):
+        return {}, "unreadable manifest: 'files' and 'extra' must be objects"
     try:
         manifest["extra"] = {k: _decode(v) for k, v in manifest["extra"].items()}
     except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as exc:
@@ -353,9 +390,9 @@ def _hash_files(
     root: Path, names: list[str], fsync: bool, group: dist.ProcessGroup | None = None
 ) -> dict[str, dict[str, Any]]:
     """Size and SHA-256 of ``names``; each rank hashes every world-th file and all share."""
-    rank, world = _rank(group), _world(group)
+    me, ranks = rank(group), world(group)
     table = torch.zeros(len(names), 33, dtype=torch.int64)  # 32 digest bytes, then the size
-    for i in range(rank, len(names), world):
+    for i in range(me, len(names), ranks):
         try:
             with open(root / names[i], "rb") as f:
                 table[i, :32] = torch.tensor(list(hashlib.file_digest(f, "sha256").digest()))
@@ -366,7 +403,7 @@ def _hash_files(
             table[i] = 0
             table[i, 32] = -1
     if dist.is_initialized():
-        table = table.to(_device(group))
+        table = table.to(device(group))
         dist.all_reduce(table, group=group)  # every other rank left this rank's rows at zero
         table = table.cpu()
     return {
@@ -401,59 +438,5 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _natural_key(name: str) -> list[tuple[int, int | str]]:
+def natural_key(name: str) -> list[tuple[int, int | str]]:
     return [(0, int(s)) if s.isdigit() else (1, s) for s in re.split(r"(\d+)", name) if s]
-
-
-def _describe(exc: BaseException) -> str:
-    # CheckpointException derives from BaseException and renders every rank's traceback;
-    # name the first failure instead.
-    if isinstance(exc, CheckpointException) and exc.failures:
-        rank, (first, _) = next(iter(sorted(exc.failures.items())))
-        return f"rank {rank}: {type(first).__name__}: {first}"
-    return f"{type(exc).__name__}: {exc}"
-
-
-@contextlib.contextmanager
-def _single_process_ok():
-    # Without a process group DCP warns that it assumes one process, which is what we mean.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def _rank(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
-def _world(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def _device(group: dist.ProcessGroup | None = None) -> torch.device:
-    # NCCL only reduces CUDA tensors; every other backend here takes CPU ones.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _all_ok(ok: bool, group: dist.ProcessGroup | None = None) -> bool:
-    """True on every rank when ``ok`` is true on every rank; doubles as a barrier."""
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([1 if ok else 0], device=_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def _run_on_rank0(fn, where: Path, group: dist.ProcessGroup | None = None) -> None:
-    """Run ``fn`` on rank 0 and make every rank raise if it failed."""
-    error = None
-    if _rank(group) == 0:
-        try:
-            fn()
-        except Exception as exc:
-            error = exc
-    if not _all_ok(error is None, group):
-        why = _describe(error) if error else "failed on rank 0"
-        raise SiteCheckpointError(f"cannot write site checkpoint {where}: {why}") from error

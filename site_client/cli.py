@@ -2,8 +2,8 @@
 
 ::
 
-    siteclient start --coordinator HOST:PORT --site NAME [--nproc-per-node N ...torchrun flags]
-        -- SCRIPT [ARGS...]
+    siteclient start --coordinator HOST:PORT[,HOST:PORT] --site NAME
+        [--nproc-per-node N ...torchrun flags] -- SCRIPT [ARGS...]
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from wire.cli_flags import (
     env_defaults,
     quiet_grpc,
 )
-from wire.config_table import check_listen
 from wire.identity import IdentityError
+from wire.leader import parse_addresses
 
 USAGE_HINT = "see `siteclient start --help`"
 # Every flag of the agent's own has a variable, as torchrun's launch flags have PET_*.
@@ -30,6 +30,7 @@ ENV = {
     "--coordinator": "ISTHMUS_COORDINATOR",
     "--site": "ISTHMUS_SITE",
     "--run-dir": "ISTHMUS_RUN_DIR",
+    "--checkpoint-url": "ISTHMUS_CHECKPOINT_URL",
     "--inner-steps": "ISTHMUS_INNER_STEPS",
     "--connect-timeout": "ISTHMUS_CONNECT_TIMEOUT",
     "--outage-timeout": "ISTHMUS_OUTAGE_TIMEOUT",
@@ -60,9 +61,22 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Launch flags are torchrun's (--nproc-per-node, --nnodes, --node-rank, "
         "--rdzv-backend, --rdzv-endpoint, --max-restarts (default 3 here), --log-dir, ...).",
     )
-    s.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    s.add_argument(
+        "--coordinator",
+        required=True,
+        metavar="HOST:PORT",
+        help="the coordinator; several separated by commas (standby coordinators, "
+        "`coordinator serve --ha`): the site follows the leader",
+    )
     s.add_argument("--site", required=True, help="this site's name in the job")
     s.add_argument("--run-dir", help="site-local state: checkpoints, metrics (default runs/SITE)")
+    s.add_argument(
+        "--checkpoint-url",
+        default="",
+        metavar="s3://BUCKET[/PREFIX]",
+        help="keep the trainers' checkpoints in S3-compatible storage, under PREFIX/SITE/ "
+        "(endpoint and credentials from the AWS variables); default: RUN_DIR/checkpoints",
+    )
     s.add_argument(
         "--inner-steps",
         type=int,
@@ -137,7 +151,13 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
 
     launch, bundle = _launch_and_bundle(args, launch_flags, command)
     run_dir = Path(args.run_dir or Path("runs") / args.site).absolute()
-    cfg = AgentConfig(args.site, run_dir, default_shm_dir(args.site), args.inner_steps)
+    cfg = AgentConfig(
+        args.site,
+        run_dir,
+        default_shm_dir(args.site),
+        args.inner_steps,
+        checkpoint_url=args.checkpoint_url,
+    )
     client = CoordinatorClient(
         args.coordinator,
         args.site,
@@ -183,6 +203,18 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         print(f"siteclient: error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_checkpoint_url(url: str, site: str) -> None:
+    """``UsageError`` (one line) unless ``url`` is "" or a reachable ``s3://`` folder."""
+    if not url:
+        return
+    from site_client.checkpoint_url import CheckpointUrlError, open_checkpoint_url
+
+    try:
+        open_checkpoint_url(url, site)
+    except CheckpointUrlError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _exit_drained(agent, site: str, timeout_s: float) -> int:
@@ -252,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("missing SCRIPT after `--`")
         if not Path(command[0]).is_file():
             raise UsageError(f"training script {command[0]!r} not found")
-        if problem := check_listen(args.coordinator):
+        if problem := parse_addresses(args.coordinator)[1]:
             raise UsageError(f"--coordinator {args.coordinator}: {problem}")
         if args.inner_steps is not None and args.inner_steps <= 0:
             raise UsageError(f"--inner-steps must be > 0, got {args.inner_steps}")
@@ -260,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, flag) <= 0:
                 name = "--" + flag.replace("_", "-")
                 raise UsageError(f"{name} must be > 0 seconds, got {getattr(args, flag)}")
+        _check_checkpoint_url(args.checkpoint_url, args.site)
         unknown = [f for f in launch_flags if f.startswith("-")]
         from torch.distributed.run import get_args_parser
 

@@ -4,13 +4,20 @@ Every call retries transient failures (coordinator down or restarting, network c
 exponential backoff and full jitter up to the policy's deadline, re-joins when its lease was
 fenced out (after a coordinator restart, or after it lapsed), and resumes transfers from the
 last acknowledged byte instead of starting them again.
+
+With several coordinators (``"A:7070,B:7070"``: standby coordinators, ``serve --ha``), a call
+refused as ``UNAVAILABLE`` moves the client to the leader the refusal names
+(``wire.leader``), or, when none is named (no answer, no leader elected yet), to the next
+address in turn; the retry then goes there, after its backoff. The new leader fences the old
+lease, so the site re-joins it as after a restart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -18,6 +25,7 @@ import torch
 
 from site_client.errors import CoordinatorError, PushAborted, TlsRefused
 from site_client.push import UpdatePush, lost_race
+from site_client.stream_channels import FollowingStub, StreamChannels, UploadConnection
 from site_client.theta_fetch import GlobalState, ThetaFetcher
 from site_client.update_payload import UpdatePayload, payload_of
 from wire.backoff import BackoffPolicy, retry
@@ -27,6 +35,7 @@ from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
 from wire.identity import Bundle
+from wire.leader import leader_named, next_address, parse_addresses
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.tensors import pack, pack_encoded
@@ -59,8 +68,11 @@ class CoordinatorClient:
         on_retry: Callable[[str, int, float, BaseException], None] | None = None,
         tls: Bundle | None = None,
     ) -> None:
-        """``tls`` is the site's bundle (mutual TLS); ``None`` means plaintext (insecure)."""
-        self.address = address
+        """``address``: HOST:PORT, or several separated by commas (standby coordinators);
+        ``tls`` is the site's bundle (mutual TLS); ``None`` means plaintext (insecure)."""
+        self.addresses, problem = parse_addresses(address)
+        if problem:
+            raise ValueError(f"coordinator address {address!r}: {problem}")
         self.site = site
         self.backoff = backoff or BackoffPolicy()
         self.num_examples = num_examples
@@ -70,13 +82,10 @@ class CoordinatorClient:
         self.transfer_timeout_s = transfer_timeout_s
         self.on_retry = on_retry
         self.tls = tls
-        self.channel = open_channel(address, tls)
-        self.stub = pb_grpc.CoordinatorStub(self.channel)
-        self.bulk = BulkStub(self.channel)  # theta and updates as raw frames (wire.bulk)
-        # Heartbeats on their own connection: behind a multi-megabyte push on a slow link they
-        # would wait for the push and the lease would lapse while the site is busy sending.
-        self.control_channel = open_channel(address, tls, own_connection=True)
-        self.control = pb_grpc.CoordinatorStub(self.control_channel)
+        self._channels: dict[str, tuple[grpc.Channel, grpc.Channel]] = {}
+        self._switching = threading.Lock()
+        self.streams = StreamChannels(lambda a: open_channel(a, tls, own_connection=True))
+        self._use(self.addresses[0])
         self.lease: pb.Lease | None = None
         # Set by ``leave``: a call still in flight then (a heartbeat) must not join again.
         self.left = False
@@ -86,37 +95,69 @@ class CoordinatorClient:
         # [transfer] of the job config the coordinator hands over on join: how many streams
         # one large fetch takes. Each stream beyond the first has a connection of its own.
         self.transfer = TransferConfig()
-        self._stream_channels: list[grpc.Channel] = []
-        self._stream_stubs = [self.bulk]
-        self._streams_lock = threading.Lock()
         self._join_lock = threading.Lock()
         self.theta = ThetaFetcher(self)
 
-    def close(self) -> None:
-        self.channel.close()
-        self.control_channel.close()
-        for channel in self._stream_channels:
-            channel.close()
+    def _use(self, address: str) -> None:
+        """Send every call to ``address`` from now on. Its channels are opened once and kept
+        (a call still in flight on another address's finishes there)."""
+        if address not in self._channels:
+            # Heartbeats on their own connection: behind a multi-megabyte push on a slow link
+            # they would wait for the push and the lease would lapse while the site sends.
+            self._channels[address] = (
+                open_channel(address, self.tls),
+                open_channel(address, self.tls, own_connection=True),
+            )
+        self.channel, self.control_channel = self._channels[address]
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.bulk = BulkStub(self.channel)  # theta and updates as raw frames (wire.bulk)
+        self.control = pb_grpc.CoordinatorStub(self.control_channel)
+        self.address = address
 
-    def stream_stubs(self, streams: int) -> list[BulkStub]:
-        """Bulk stubs for ``streams`` parallel streams, each on a TCP connection of its own
-        (one connection would carry them all through one congestion window). Opened on first
-        use and kept, so later transfers start on warm connections."""
-        with self._streams_lock:
-            while len(self._stream_stubs) < streams:
-                channel = open_channel(self.address, self.tls, own_connection=True)
-                self._stream_channels.append(channel)
-                self._stream_stubs.append(BulkStub(channel))
-            return self._stream_stubs[:streams]
+    def _follow(self, exc: grpc.RpcError, failed: str) -> None:
+        """After an ``UNAVAILABLE`` from ``failed``: move to the leader it names, or, among
+        several addresses, to the next one. Only once per address: of calls failing there
+        together, the first moves the client and the others find it moved already."""
+        named = leader_named(exc)
+        if named == failed or (named is None and len(self.addresses) == 1):
+            return  # one address, or the leader itself taking over: retry there
+        with self._switching:
+            if self.address != failed:
+                return
+            nxt = next_address(self.addresses, failed, named)
+            if nxt != failed:
+                log.info("coordinator %s: %s; trying %s", failed, exc.details(), nxt)
+                self._use(nxt)
+
+    def close(self) -> None:
+        for channel, control in self._channels.values():
+            channel.close()
+            control.close()
+        self.streams.close()
+
+    def stream_stubs(self, streams: int) -> list[FollowingStub]:
+        """Stubs of ``streams`` parallel streams (``site_client.stream_channels``), each on a
+        TCP connection of its own and to the address the client uses at each call."""
+        return [FollowingStub(self, i) for i in range(streams)]
 
     def connect_streams(self, streams: int, timeout_s: float = 30.0) -> None:
         """Open the connections of ``streams`` parallel streams now, not at the first transfer
         that takes them (a benchmark's warm-up: the first transfer would pay the handshakes)."""
-        self.stream_stubs(streams)
-        with self._streams_lock:
-            channels = [self.channel, *self._stream_channels[: streams - 1]]
+        channels = [self.channel, *self.streams.channels(self.address, streams - 1)]
         for channel in channels:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
+
+    @contextlib.contextmanager
+    def upload_connection(self) -> Iterator[UploadConnection]:
+        """A connection of its own for one upload's data streams, closed after it. gRPC keeps
+        the buffers a connection received through for as long as the connection lives (at the
+        coordinator, about 3 MB for one that carried an update through an 8 MiB window), so
+        uploads on the long-lived channel would leave that much per site behind."""
+        connection = UploadConnection(self, lambda a: open_channel(a, self.tls, True))
+        try:
+            yield connection
+        finally:
+            connection.close()
 
     def __enter__(self) -> CoordinatorClient:
         return self
@@ -134,13 +175,14 @@ class CoordinatorClient:
         """Run ``fn`` with backoff on transient errors; re-join when the lease was fenced."""
 
         tls_problem: list[TlsProblem] = []
+        tried = [self.address]  # the address of the latest attempt
 
         def attempt():
             if self.left and describe not in ("join", "status"):
                 raise CoordinatorError(None, f"{describe}: this site has left the job")
             if describe not in ("join", "status"):
                 self._ensure_joined()
-            used = self.lease
+            used, tried[0] = self.lease, self.address
             try:
                 return fn()
             except grpc.RpcError as exc:
@@ -151,22 +193,12 @@ class CoordinatorClient:
                     with self._join_lock:
                         if self.lease is used:
                             self.lease = None
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and not tls_problem:
+                    self._follow(exc, tried[0])
                 raise
 
         def retryable(exc: BaseException) -> bool:
-            # A chunk that fails its checks was damaged in flight or the stream broke: resend.
-            # DATA_LOSS: the coordinator found the update damaged in flight and dropped it.
-            # RESOURCE_EXHAUSTED: its disk is full or this site has too many calls open; both
-            # pass (a full job refusing a join does not, and says so).
-            code = _code(exc)
-            if code == grpc.StatusCode.UNAVAILABLE and self._permanent_tls(exc, tls_problem):
-                return False
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                return describe != "join"
-            return isinstance(exc, ChunkError) or code in TRANSIENT | {
-                grpc.StatusCode.ABORTED,
-                grpc.StatusCode.DATA_LOSS,
-            }
+            return self._retryable(describe, exc, tls_problem, tried[0])
 
         def report(n: int, delay: float, exc: BaseException) -> None:
             detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
@@ -187,7 +219,24 @@ class CoordinatorClient:
                 raise TlsRefused(exc.code(), tls_problem[0].message) from exc
             raise CoordinatorError(exc.code(), f"{describe}: {exc.details()}") from exc
 
-    def _permanent_tls(self, exc: grpc.RpcError, found: list[TlsProblem]) -> bool:
+    def _retryable(
+        self, describe: str, exc: BaseException, tls_problem: list[TlsProblem], address: str
+    ) -> bool:
+        # A chunk that fails its checks was damaged in flight or the stream broke: resend.
+        # DATA_LOSS: the coordinator found the update damaged in flight and dropped it.
+        # RESOURCE_EXHAUSTED: its disk is full or this site has too many calls open; both
+        # pass (a full job refusing a join does not, and says so).
+        code = _code(exc)
+        if code == grpc.StatusCode.UNAVAILABLE and self._permanent_tls(exc, tls_problem, address):
+            return False
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return describe != "join"
+        return isinstance(exc, ChunkError) or code in TRANSIENT | {
+            grpc.StatusCode.ABORTED,
+            grpc.StatusCode.DATA_LOSS,
+        }
+
+    def _permanent_tls(self, exc: grpc.RpcError, found: list[TlsProblem], address: str) -> bool:
         """Whether an UNAVAILABLE is a TLS problem no retry fixes (appended to ``found``).
 
         Only failures that hint at TLS are probed, and, until the first join, closed sockets
@@ -196,7 +245,7 @@ class CoordinatorClient:
         closed = self.join_reply is None and "socket closed" in details.lower()
         if self.tls is None or not (looks_like_tls(details) or closed):
             return False
-        problem = diagnose(self.address, self.tls)
+        problem = diagnose(address, self.tls)
         if problem is not None:
             found.append(problem)
         return problem is not None

@@ -41,16 +41,22 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+def load_metadata(stream, where: object, load_id: str) -> Metadata:
+    """DCP metadata unpickled from ``stream`` through the allow-list; ``where`` names it in
+    errors."""
+    metadata = _MetadataUnpickler(stream).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"{where} does not hold DCP metadata")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = load_id
+    return metadata
+
+
 class SafeFileSystemReader(dcp.FileSystemReader):
     """``dcp.FileSystemReader`` whose metadata is read through the allow-list above."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+            return load_metadata(f, path, self.load_id)

@@ -68,6 +68,7 @@ class UpdatePush:
         self.acked, self.tries = 0, 0
         self.held_s = 0.0  # how long the last chunk waited for ``hold``
         self.progress = progress or TransferProgress()
+        self._bulk = None  # the upload's own connection, while ``run`` runs
 
     def header(self, reserve: bool = False, piece: Piece | None = None) -> bytes:
         """The stream's first frame; with ``piece``, for a stream carrying only that piece."""
@@ -122,7 +123,7 @@ class UpdatePush:
             return granted
         self.acked = granted.acked_offset
         self.tries += 1
-        reply = c.bulk.Push(self.frames(self.acked), timeout=c.transfer_timeout_s)
+        reply = self._bulk.Push(self.frames(self.acked), timeout=c.transfer_timeout_s)
         if not reply.complete:
             if self.abort():
                 raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
@@ -154,7 +155,10 @@ class UpdatePush:
     def run(self) -> pb.PushReply:
         complete = False
         try:
-            reply = self.client.call("push", self.attempt)
+            # One connection for the data streams of every attempt: a new one per attempt
+            # would start connecting afresh each time, and on a slow link never get there.
+            with self.client.upload_connection() as self._bulk:
+                reply = self.client.call("push", self.attempt)
             complete = True
             return reply
         except CoordinatorError as exc:

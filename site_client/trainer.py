@@ -40,7 +40,9 @@ Site checkpoints (``torch.distributed.checkpoint``, inner optimiser included) ar
 task's last chunk only once its end is checkpointed, so a site whose update counted can always
 go on exactly from there. A trainer restarted by the launcher resumes from its newest checkpoint,
 with any number of ranks: mid-task if the agent still hands out the same task, otherwise the
-new task starts from theta with the optimiser state the checkpoint holds.
+new task starts from theta with the optimiser state the checkpoint holds. They go to
+``RUN_DIR/checkpoints``, or to object storage with ``siteclient start --checkpoint-url``
+(``site_client.checkpoint_place``); a damaged newest checkpoint gives way to the one before it.
 """
 
 from __future__ import annotations
@@ -57,13 +59,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from site_client.checkpoint import (
-    AsyncCheckpointer,
-    latest_site_checkpoint,
-    load_site_checkpoint,
-    prune_site_checkpoints,
-    site_checkpoint_path,
-)
+from site_client.checkpoint import AsyncCheckpointer
+from site_client.checkpoint_place import CheckpointPlace, load_newest
 from site_client.errors import SiteDrained, TrainerError
 from site_client.faults import ENV as FAULTS_ENV
 from site_client.faults import fault_at, inject, parse_faults
@@ -131,6 +128,17 @@ def _leave_together(world_size: int) -> None:
     dist.destroy_process_group()
 
 
+def _checkpoint_place(hello: dict, folder: Path, site: str) -> CheckpointPlace:
+    """Where the agent says checkpoints go: ``folder``, or the ``--checkpoint-url`` bucket
+    (files in transit staged in ``folder``)."""
+    url = hello.get("checkpoint_url") or ""
+    if not url:
+        return CheckpointPlace(folder)
+    from site_client.s3_checkpoint import open_site_checkpoints
+
+    return CheckpointPlace(folder, open_site_checkpoints(url, site, folder / "staging"))
+
+
 class SiteSession:
     def __init__(self, backend: str = "gloo", checkpoint_every: int = 0) -> None:
         socket_path = os.environ.get(ENV_SOCKET)
@@ -160,6 +168,7 @@ class SiteSession:
         self.shm_dir = Path(hello["shm_dir"])
         self.job_config: dict = tomllib.loads(hello["job_config"]) if hello["job_config"] else {}
         self.ckpt_dir = self.run_dir / "checkpoints"
+        self.ckpt_place = _checkpoint_place(hello, self.ckpt_dir, self.site)
         pid_dir = self.run_dir / "trainers"
         pid_dir.mkdir(parents=True, exist_ok=True)
         (pid_dir / f"rank-{self.rank}.pid").write_text(f"{os.getpid()} {self.restart_count}\n")
@@ -167,7 +176,7 @@ class SiteSession:
         self.faults = parse_faults(os.environ.get(FAULTS_ENV, ""))
         self.faults_fired: set = set()
         self._last_seq = -1
-        self.checkpointer = AsyncCheckpointer()
+        self.checkpointer = AsyncCheckpointer(write=self.ckpt_place.write)
         # ``[streaming]``: fragments sync in turn and merge late (``site_client.streaming``).
         self.streaming = streaming_from_job(self.job_config)
         self.prober = SiteProber(
@@ -267,12 +276,12 @@ class SiteSession:
         task = {"round": rnd.number, "data_unit": rnd.data_unit}
 
         def written(_path) -> None:
-            prune_site_checkpoints(self.ckpt_dir, keep_last=2)
+            self.ckpt_place.prune(keep_last=2)
             if task_end:
                 self._done_ipc.call("checkpointed", **task)
 
         on_done = written if self.rank == 0 else None
-        path = site_checkpoint_path(self.ckpt_dir, seq)
+        path = self.ckpt_place.target(seq)
         started = time.monotonic()
         self.checkpointer.save(path, model, optimizer, extra, on_done=on_done)
         self._timing("checkpoint_staged", started, round=rnd.number, step=step)
@@ -287,10 +296,9 @@ class SiteSession:
 
     def _resume_extra(self, model, optimizer) -> dict | None:
         """The newest site checkpoint's saved values, loaded into the model (None: none)."""
-        path = latest_site_checkpoint(self.ckpt_dir)
-        if path is None:
+        extra = load_newest(self.ckpt_place, model, optimizer)
+        if extra is None:
             return None
-        extra = load_site_checkpoint(path, model, optimizer)
         round_number, step = int(extra["round"]), int(extra["step"])
         self._last_seq = int(extra.get("seq", round_number * STEP_SLOTS + step))
         return extra

@@ -3,7 +3,7 @@
 Rank 0 of the site's trainers drives the rounds; every rank says ``hello``.
 
 ``hello`` (``attempt``: the launcher's restart count)
-    -> ``site``, ``run_dir``, ``shm_dir``, ``job_config`` (TOML text).
+    -> ``site``, ``run_dir``, ``shm_dir``, ``job_config`` (TOML text), ``checkpoint_url``.
 ``wait_round`` (``timeout`` seconds, default the agent's poll)
     -> ``{"ready": false}``, or ``ready`` with the next task not yet done: ``round``,
     ``data_unit`` (``""`` in federated mode), ``site_index`` and ``num_sites`` (this site's place
@@ -89,6 +89,7 @@ class TrainerChannel:
             "run_dir": str(self.cfg.run_dir),
             "shm_dir": str(self.cfg.shm_dir),
             "job_config": self.job_config,
+            "checkpoint_url": self.cfg.checkpoint_url,
         }
 
     def offer(self) -> dict | None:

@@ -29,3 +29,18 @@ def seaweed(tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory):
+    """One real etcd member for the session (``tests/etcd.py``, Debian's ``etcd-server``,
+    which ``make test`` installs); skipped only where no ``etcd`` binary is installed."""
+    from etcd import EtcdServer, etcd_binary
+
+    binary = etcd_binary()
+    if binary is None:
+        pytest.skip("no etcd binary: apt-get install etcd-server")
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"), binary)
+    server.start()
+    yield server
+    server.stop()

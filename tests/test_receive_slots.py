@@ -10,7 +10,13 @@ import time
 import pytest
 from coord_harness import FAST_BACKOFF, job_config, scrape_metrics, start_with_metrics
 
-from coordinator.receive_slots import GRANT_TTL_S, ReceiveSlots, slots_to_grant
+from coordinator.receive_slots import (
+    AUTO_MIN,
+    GRANT_TTL_S,
+    ReceiveSlots,
+    slots_to_grant,
+    upload_slots,
+)
 from site_client.coordinator_client import CoordinatorClient
 
 
@@ -23,6 +29,19 @@ def test_slots_go_to_the_first_in_fold_order_as_far_as_they_go():
     assert slots_to_grant(2, 0, {"x": 9.0}, waiting, now=10.0) == ["a", "b"]
     assert slots_to_grant(2, 3, {}, waiting, now=10.0) == []
     assert slots_to_grant(0, 50, {}, waiting, now=10.0) == ["a", "b", "c", "late"]  # no limit
+
+
+def test_unset_slots_are_sized_from_the_model():
+    mib = 1 << 20
+    assert upload_slots(None, 64 * mib, 8 * mib) == 2  # a quarter of it holds two windows
+    assert upload_slots(None, 160 * mib, 8 * mib) == 5
+    assert upload_slots(None, 256 * mib, 8 * mib) == 8
+    assert upload_slots(None, 50 << 30, 8 * mib) == 8  # never more than eight
+    assert upload_slots(None, 1 * mib, 8 * mib) == 2  # never fewer than two
+    assert upload_slots(None, 64 * mib, 2 * mib) == 8  # smaller windows: more of them
+    assert upload_slots(None, 64 * mib, 0) == 2  # a gRPC-sized window is taken as 8 MiB
+    assert upload_slots(3, 50 << 30, 8 * mib) == 3  # a setting wins
+    assert upload_slots(0, 1 * mib, 8 * mib) == 0  # 0 stays "no limit"
 
 
 def test_a_waiting_upload_is_granted_when_a_stream_ends():
@@ -70,13 +89,16 @@ def test_fold_order_wins_and_an_unused_grant_lapses():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("slots", [1, 0])
+@pytest.mark.parametrize("slots", [1, 0, None])
 def test_one_slot_takes_concurrent_pushes_one_at_a_time(tmp_path, slots):
+    server = {"listen": "127.0.0.1:0", "workers": 16}
+    if slots is not None:
+        server["concurrent_uploads"] = slots
     cfg = job_config(
         name="slots",
         model={"factory": "coord_harness:tiny_model", "kwargs": {"d_in": 256, "d_out": 2048}},
         rounds={"total": 1, "min_sites": 3, "max_sites": 3, "join_window_s": 5.0},
-        server={"listen": "127.0.0.1:0", "workers": 16, "concurrent_uploads": slots},
+        server=server,
     )
     coord, address = start_with_metrics(tmp_path, cfg)
     pushed, errors = threading.Barrier(4), []
@@ -114,10 +136,14 @@ def test_one_slot_takes_concurrent_pushes_one_at_a_time(tmp_path, slots):
         for t in threads:
             t.join(60)
         assert errors == []
-        assert m[("isthmus_receive_slots", ())] == slots
         peak = m[("isthmus_uploads_receiving_peak", ())]
-        # The control (no limit): the held streams overlap, so the limit is what kept it at 1.
-        assert peak == 1 if slots == 1 else peak >= 2
+        if slots is None:  # unset: a 2 MiB model gets the fewest slots, two
+            assert m[("isthmus_receive_slots", ())] == AUTO_MIN == 2
+            assert peak == 2
+        else:
+            assert m[("isthmus_receive_slots", ())] == slots
+            # The control (no limit): the held streams overlap, so the limit kept it at 1.
+            assert peak == 1 if slots == 1 else peak >= 2
         assert sum(v for (n, _), v in m.items() if n == "isthmus_updates_counted_total") == 3
         assert coord.wait(timeout=30) == 0, coord.log_tail()
     finally:

@@ -6,9 +6,9 @@ import threading
 import time
 
 import pytest
-from coord_harness import FAST_BACKOFF, job_config, scrape_metrics, start_with_metrics
+from coord_harness import FAST_BACKOFF, job_config, scrape_metrics, start_with_metrics, wait_until
 
-from coordinator.send_slots import SendSlots, SlotsBusy, may_send
+from coordinator.send_slots import SendSlots, SlotsBusy, may_send, share_of
 from site_client.coordinator_client import CoordinatorClient
 from wire.proto import isthmus_pb2 as pb
 
@@ -25,7 +25,7 @@ def test_waiting_fetches_go_first_come_first_served_and_give_up_in_time():
     slots, started = SendSlots(1), []
 
     def fetch(name: str, hold: threading.Event) -> None:
-        with slots.slot(wait_s=10):
+        with slots.slot(name, wait_s=10):
             started.append(name)
             hold.wait(10)
 
@@ -35,7 +35,7 @@ def test_waiting_fetches_go_first_come_first_served_and_give_up_in_time():
         threads[n].start()
         time.sleep(0.05)  # arrival order a, b, c
     assert started == ["a"] and slots.counts() == (1, 2)
-    with pytest.raises(SlotsBusy, match="every send slot"), slots.slot(wait_s=0.1):
+    with pytest.raises(SlotsBusy, match="every send slot"), slots.slot("d", wait_s=0.1):
         pass
     holds["a"].set()
     threads["a"].join(5)
@@ -86,3 +86,30 @@ def test_a_fetch_waits_while_another_holds_the_only_slot(tmp_path, slots):
         slow.close()
         fast.close()
         coord.stop()
+
+
+def test_one_site_holds_at_most_its_share_of_the_slots():
+    assert share_of(8, 1) == 1 and share_of(8, 4) == 4
+    assert share_of(8, 8) == 4  # never more than half
+    assert share_of(1, 4) == 1  # at least one
+    assert share_of(0, 4) == 4  # no limit: its streams
+    slots = SendSlots(8, streams=8)
+    for _ in range(4):
+        slots.acquire("a", wait_s=0.1)
+    with pytest.raises(SlotsBusy, match="a already has 4 fetch stream"):
+        slots.acquire("a", wait_s=5.0)  # at once, not after the wait
+    slots.acquire("b", wait_s=0.1)  # another site is not kept out
+    assert slots.counts() == (5, 0)
+    slots.release("a")
+    slots.acquire("a", wait_s=0.1)
+    # A stream still waiting for a slot counts towards its site's share.
+    full = SendSlots(1, streams=2)
+    full.acquire("c", wait_s=0.1)
+    waiting = threading.Thread(target=lambda: full.acquire("d", wait_s=2.0))
+    waiting.start()
+    wait_until(lambda: full.counts() == (1, 1), what="d waiting")
+    with pytest.raises(SlotsBusy, match="its share"):
+        full.acquire("d", wait_s=0.1)
+    full.release("c")
+    waiting.join(5)
+    assert full.counts() == (1, 0) and full.by_site == {"d": 1}

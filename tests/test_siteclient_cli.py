@@ -60,6 +60,16 @@ def siteclient(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
             ["--coordinator", "127.0.0.1:1", "--site", "a", "--outage-timeout", "0", "--", TRAIN],
             "--outage-timeout must be > 0 seconds, got 0.0",
         ),
+        (
+            ["--coordinator", "127.0.0.1:1", "--site", "a", "--checkpoint-url", "http://b/x"]
+            + ["--", TRAIN],
+            "--checkpoint-url http://b/x: expected s3://BUCKET[/PREFIX]",
+        ),
+        (
+            ["--coordinator", "127.0.0.1:1", "--site", "a", "--checkpoint-url", "s3://b/../x"]
+            + ["--", TRAIN],
+            "--checkpoint-url s3://b/../x: expected s3://BUCKET[/PREFIX]",
+        ),
     ],
 )
 def test_bad_command_line_exits_with_one_line(args, expected):
