@@ -3,6 +3,8 @@ counted, and withdrawing an update mid-stream (a fake stub: no network)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 import pytest
 import torch
@@ -64,12 +66,20 @@ def client():
     c.close()
 
 
+def use(client: CoordinatorClient, stub: FakeStub) -> FakeStub:
+    """Every push stream of ``client`` to ``stub``: the reservations on its bulk channel, the
+    data on the upload's own connection."""
+    client.bulk = stub
+    client.upload_connection = lambda: contextlib.nullcontext(stub)
+    return stub
+
+
 def refused(details: str, winner: str = "") -> Refusal:
     return Refusal(grpc.StatusCode.ALREADY_EXISTS, details, winner)
 
 
 def test_a_unit_committed_by_another_site_is_a_lost_race(client) -> None:
-    client.bulk = FakeStub(refused("unit u3 was already committed by site-2 in round 0", "site-2"))
+    use(client, FakeStub(refused("unit u3 was already committed by site-2 in round 0", "site-2")))
     with pytest.raises(CoordinatorError) as err:
         client.push(0, DELTA, data_unit="u3")
     assert err.value.code == grpc.StatusCode.ALREADY_EXISTS and "site-2" in str(err.value)
@@ -90,7 +100,7 @@ def test_a_unit_committed_by_another_site_is_a_lost_race(client) -> None:
     ],
 )
 def test_other_already_exists_refusals_mean_already_counted(client, unit, details, winner):
-    client.bulk = FakeStub(refused(details, winner))
+    use(client, FakeStub(refused(details, winner)))
     reply = client.push(0, DELTA, data_unit=unit)
     assert reply.complete and reply.message.startswith("already counted")
 
@@ -109,12 +119,12 @@ def test_a_site_whose_name_extends_the_winners_is_not_the_winner() -> None:
 def test_abort_ends_the_stream_early_and_raises(client) -> None:
     withdrawn = {"now": False}
     stub = FakeStub(on_chunk=lambda n: withdrawn.update(now=n >= 2))
-    client.bulk = stub
+    use(client, stub)
     with pytest.raises(PushAborted):
         client.push(0, DELTA, data_unit="u1", abort=lambda: withdrawn["now"])
     assert stub.chunks == 2  # no chunk sent once withdrawn, and no retry
     assert stub.reservations == 1  # the data stream was opened once its slot was granted
     # Not withdrawn: the whole update goes.
-    client.bulk = stub = FakeStub()
+    stub = use(client, FakeStub())
     assert client.push(0, DELTA, data_unit="u1", abort=lambda: False).complete
     assert stub.chunks == 4

@@ -5,6 +5,8 @@ a real coordinator."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from coord_harness import FAST_BACKOFF, job_config, start_coordinator, wait_until
 
@@ -21,7 +23,9 @@ def test_each_upload_opens_and_closes_its_own_connection(tmp_path):
     )
     coord = start_coordinator(tmp_path, cfg)
     port = int(coord.address.rsplit(":", 1)[1])
-    with Relay(target=("127.0.0.1", port)).start() as relay:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(coord.stop)
+        relay = cleanup.enter_context(Relay(target=("127.0.0.1", port)).start())
         client = CoordinatorClient(relay.address, "site-a", backoff=FAST_BACKOFF)
         try:
             client.join()
@@ -42,4 +46,4 @@ def test_each_upload_opens_and_closes_its_own_connection(tmp_path):
             client.leave("done")
         finally:
             client.close()
-    assert coord.wait(timeout=30) == 0, coord.log_tail()
+        assert coord.wait(timeout=30) == 0, coord.log_tail()
