@@ -7,7 +7,8 @@ resumable stream):
    says which byte ranges of the upload the coordinator holds already (after a break, or a
    coordinator restart: it keeps them in the upload's range log).
 2. The pieces of the payload not wholly there go into one queue; K threads, each on a
-   connection of its own, send the next piece until none is left, each as a stream carrying
+   connection of its own for this upload (closed with it, as a single stream's is), send the
+   next piece until none is left, each as a stream carrying
    that piece only (``PushHeader.piece``), from where the coordinator's copy of it ends. The K
    streams share the upload's one receive slot. A stream that broke first asks (a header-only
    stream of its piece) where its piece stands, and resumes there.
@@ -64,15 +65,15 @@ class PiecedPush:
         return reply
 
     def _send(self, todo: list[tuple[Piece, int]]) -> None:
-        """Every piece of ``todo`` (from its start), over up to K streams."""
-        c = self.client
+        """Every piece of ``todo`` (from its start), over up to K streams, each on the
+        upload's connection of its own for that stream (``UpdatePush.connections``)."""
         queue = PieceQueue(todo)
         errors: list[BaseException] = []
         threads = [
             threading.Thread(
                 target=self._stream, args=(stub, queue, errors), name=f"push-stream-{i}"
             )
-            for i, stub in enumerate(c.stream_stubs(min(len(todo), c.transfer.streams)))
+            for i, stub in enumerate(self.push.connections[: len(todo)])
         ]
         for t in threads:
             t.daemon = True

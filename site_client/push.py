@@ -17,6 +17,7 @@ terminal, a log line now and then elsewhere, for a long push only.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -69,6 +70,7 @@ class UpdatePush:
         self.held_s = 0.0  # how long the last chunk waited for ``hold``
         self.progress = progress or TransferProgress()
         self._bulk = None  # the upload's own connection, while ``run`` runs
+        self.connections: list = []  # one per stream of the upload, while ``run`` runs
 
     def header(self, reserve: bool = False, piece: Piece | None = None) -> bytes:
         """The stream's first frame; with ``piece``, for a stream carrying only that piece."""
@@ -114,7 +116,7 @@ class UpdatePush:
 
     def attempt(self) -> pb.PushReply:
         c = self.client
-        if c.transfer.streams > 1 and len(self.pieces()) > 1:
+        if len(self.connections) > 1:
             return PiecedPush(self).attempt()
         if self.abort():
             raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
@@ -136,6 +138,10 @@ class UpdatePush:
         c = self.client
         return plan_pieces(self.payload.total_bytes, c.chunk_bytes, c.transfer.streams)
 
+    def streams(self) -> int:
+        """How many streams the upload takes: ``[transfer] streams``, as far as it has pieces."""
+        return min(self.client.transfer.streams, len(self.pieces()))
+
     def withdrawn(self) -> PushAborted:
         return PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
 
@@ -155,9 +161,15 @@ class UpdatePush:
     def run(self) -> pb.PushReply:
         complete = False
         try:
-            # One connection for the data streams of every attempt: a new one per attempt
-            # would start connecting afresh each time, and on a slow link never get there.
-            with self.client.upload_connection() as self._bulk:
+            # One connection per stream for the data streams of every attempt: a new one per
+            # attempt would start connecting afresh each time, and on a slow link never get
+            # there.
+            with contextlib.ExitStack() as held:
+                self.connections = [
+                    held.enter_context(self.client.upload_connection())
+                    for _ in range(self.streams())
+                ]
+                self._bulk = self.connections[0]
                 reply = self.client.call("push", self.attempt)
             complete = True
             return reply
