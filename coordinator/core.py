@@ -98,6 +98,7 @@ class CoordinatorCore:
                 cfg.server.concurrent_uploads,
                 sum(self.state.theta.tensors[n].numel() * 4 for n in self.trainable),
                 cfg.server.receive_window_bytes,
+                cfg.transfer.streams,
             )
         )
         if cfg.server.concurrent_uploads is None:

@@ -31,9 +31,12 @@ AUTO_SHARE, AUTO_MIN, AUTO_MAX = 0.25, 2, 8
 ASSUMED_WINDOW_BYTES = 8 << 20  # for a window gRPC sizes itself (``receive_window_bytes`` 0)
 
 
-def upload_slots(configured: int | None, update_bytes: int, window_bytes: int) -> int:
+def upload_slots(
+    configured: int | None, update_bytes: int, window_bytes: int, streams: int = 1
+) -> int:
     """How many uploads to receive at once (pure): ``configured`` if set (0: no limit), else
-    as many windows as fit in ``AUTO_SHARE`` of an update, from ``AUTO_MIN`` to ``AUTO_MAX``.
+    as many uploads as fit in ``AUTO_SHARE`` of an update, from ``AUTO_MIN`` to ``AUTO_MAX``,
+    each holding a window on each of its ``streams`` (``[transfer] streams``).
 
     Memory is what a slot costs (a window of bytes in flight, and a chunk or two); ingress
     bandwidth is what it buys (a window per round trip). A small model gets few slots, so
@@ -41,7 +44,7 @@ def upload_slots(configured: int | None, update_bytes: int, window_bytes: int) -
     an 80 ms RTT); from a 256 MiB model on, the full eight."""
     if configured is not None:
         return configured
-    window = window_bytes or ASSUMED_WINDOW_BYTES
+    window = (window_bytes or ASSUMED_WINDOW_BYTES) * streams
     return max(AUTO_MIN, min(AUTO_MAX, int(update_bytes * AUTO_SHARE) // window))
 
 
