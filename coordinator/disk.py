@@ -105,11 +105,13 @@ class PartFile:
 
 
 class RangeLog:
-    """Which byte ranges of an upload's ``.part`` file were received: a 16-byte record
-    (offset, length) appended once a chunk's bytes are written, read back by a restarted
-    coordinator. Not fsynced, like the ``.part`` file (the payload's SHA-256, checked once
-    every byte is in, is what vouches for the bytes); a failed append is cut back, so the log
-    never holds a torn record."""
+    """Which byte ranges of an upload's ``.part`` file were received, read back by a restarted
+    coordinator: 16-byte records (offset, length), each written once a chunk's bytes are.
+    A chunk that continues a range a record holds grows that record in place (``extend``), so
+    a stream's chunks take one record, whatever their size: tiny chunks cannot make the log
+    outgrow the payload. Not fsynced, like the ``.part`` file (the payload's SHA-256, checked
+    once every byte is in, is what vouches for the bytes); a failed append is cut back, so the
+    log never holds a torn record."""
 
     RECORD = struct.Struct("<QQ")
 
@@ -134,14 +136,13 @@ class RangeLog:
         self.close()
         self.path.unlink(missing_ok=True)
 
-    def append(self, offset: int, length: int) -> None:
+    def append(self, offset: int, length: int) -> int:
+        """Record the range; returns the record's number (for ``extend``)."""
         if self._fd < 0:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
             self.length = os.fstat(self._fd).st_size
         try:
-            written = os.write(self._fd, self.RECORD.pack(offset, length))
-            if written != self.RECORD.size:
-                raise OSError(errno.ENOSPC, "a short write to the range log")
+            self._write(self.length, offset, length)
         except OSError:
             try:
                 os.ftruncate(self._fd, self.length)
@@ -149,6 +150,17 @@ class RangeLog:
                 self.broken = True  # records past a torn one could not be read back
             raise
         self.length += self.RECORD.size
+        return self.length // self.RECORD.size - 1
+
+    def extend(self, record: int, offset: int, length: int) -> None:
+        """Record ``record`` (of ``append``) now holds ``length`` bytes from ``offset`` (its
+        own offset, a longer length: a torn write leaves it the old length or the new)."""
+        self._write(record * self.RECORD.size, offset, length)
+
+    def _write(self, at: int, offset: int, length: int) -> None:
+        written = os.pwrite(self._fd, self.RECORD.pack(offset, length), at)
+        if written != self.RECORD.size:
+            raise OSError(errno.ENOSPC, "a short write to the range log")
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -76,6 +76,9 @@ class UploadBytes:
         self.total_bytes, self.expected_sha256 = total_bytes, sha256
         self.log = RangeLog(path.with_suffix(".ranges"))
         self.ranges = ReceivedRanges(self._restore(path))
+        # The end of each range a record of this coordinator's holds -> (record, its start):
+        # the next chunk of a stream grows its record instead of adding one.
+        self._records: dict[int, tuple[int, int]] = {}
         spans = self.ranges.spans
         self.file = PartFile(path, spans[-1][1] if spans else 0)  # nothing past the last one
         self._lock = threading.Lock()
@@ -145,7 +148,7 @@ class UploadBytes:
             before = self.file.length
             self.file.write_at(offset, data)
             try:
-                self.log.append(offset, n)
+                self._record(offset, n)
             except OSError:
                 self.file.cut_back(before)  # the chunk is not recorded: it is sent again
                 raise
@@ -153,6 +156,15 @@ class UploadBytes:
             if offset == self.hashed:
                 self._hasher.update(data)
                 self.hashed += n
+
+    def _record(self, offset: int, n: int) -> None:
+        """Put the chunk's range in the log: its stream's record grown, or a new one."""
+        if offset in self._records:
+            record, start = self._records.pop(offset)
+            self.log.extend(record, start, offset + n - start)
+        else:
+            record, start = self.log.append(offset, n), offset
+        self._records[offset + n] = (record, start)
 
     def finish(self) -> None:
         """Raise unless every byte arrived and the payload's SHA-256 matches; what was not

@@ -251,3 +251,20 @@ def test_a_range_log_claiming_more_than_its_file_holds_starts_again(tmp_path):
     again = UploadBytes(path, 64, b"\x00" * 32)
     assert again.spans() == [] and again.resume_at(Piece(32, 32)) == 32
     again.close()
+
+
+def test_a_streams_chunks_grow_one_record_of_the_range_log(tmp_path):
+    path = tmp_path / "s+u.part"
+    data = bytes(range(256)) * 4
+    b = UploadBytes(path, len(data), hashlib.sha256(data).digest())
+    for offset in range(0, 512, 8):  # one stream, tiny chunks
+        b.add(None, offset, data[offset : offset + 8])
+    for offset in range(768, 1024, 4):  # another, on a piece of its own
+        b.add(Piece(768, 256), offset, data[offset : offset + 4])
+    b.close()
+    assert path.with_suffix(".ranges").stat().st_size == 2 * 16  # a record per stream
+    again = UploadBytes(path, len(data), b.expected_sha256)
+    assert again.spans() == [(0, 512), (768, 1024)]
+    again.add(Piece(512, 256), 512, data[512:768])
+    again.finish()
+    again.close()
