@@ -9,19 +9,21 @@ On a packet-level emulated WAN (``bench.wan_link``: two network namespaces, a re
 tail-drop bottleneck queue per direction and a one-way delay, cubic, the kernel's stock TCP
 buffers), ``--mib`` MiB cross from namespace a to b over K = 1, 2, 4, 8 raw TCP streams in
 parallel, each carrying 1/K of the bytes; then a real ``coordinator serve`` in b and a site
-client in a fetch theta of that size over each K (``[transfer] streams``) and push an update of
-that size (one stream). Efficiency is bytes / (time * rate); times run from the first byte sent
+client in a fetch theta and push an update of that size over each K (``[transfer] streams``,
+one round per K and repeat). Efficiency is bytes / (time * rate); times run from the first byte sent
 (for the product: the call) to the receiver's reply on an open connection, so even a perfect
 transfer pays one round trip (the "ideal" line). Each row is the median of ``--repeats`` runs.
 Last, the relay's own ceiling: no delay and no rate cap. Last line::
 
     efficiency_1=... efficiency_2=... efficiency_4=... efficiency_8=... efficiency_best=...
     best_streams=... raw_tcp_efficiency=... raw_tcp_efficiency_1=... raw_tcp_efficiency_2=...
-    ... isthmus_push_efficiency=... relay_ceiling_mbit=...
+    ... push_efficiency_1=... push_efficiency_2=... ... push_efficiency_best=...
+    push_best_streams=... relay_ceiling_mbit=...
 
 ``efficiency_K`` is the product's fetch over K streams, ``efficiency_best`` the best of them
 at ``best_streams``; ``raw_tcp_efficiency`` is the single raw TCP stream (the reference) and
-``raw_tcp_efficiency_K`` raw TCP with K streams. Without root or ``/dev/net/tun`` it prints why
+``raw_tcp_efficiency_K`` raw TCP with K streams; ``push_efficiency_K`` the product's push
+over K streams. Without root or ``/dev/net/tun`` it prints why
 and ends with ``skipped=...``.
 """
 
@@ -72,14 +74,13 @@ def raw_tcp(link: WanLink, streams: int, total: int, port: int) -> dict:
 def isthmus(
     link: WanLink, folder: Path, mib: float, rounds: int, streams: list[int]
 ) -> dict[tuple[str, int], list[dict]]:
-    """The product's fetch over each of ``streams`` and its push, per round, with the job's
-    drops: ``{("fetch", K): runs, ("push", 1): runs}``."""
+    """The product's fetch and push over each of ``streams``, with the job's drops:
+    ``{("fetch", K): runs, ("push", K): runs}``."""
     before = link.stats()
     counters = {s: link.tcp_counters(s) for s in "ab"}
     timings = streams_isthmus.run(link, folder, mib, rounds, streams)
     after = link.stats()
-    runs = {("fetch", int(k)): v for k, v in timings["fetch"].items()}
-    runs[("push", 1)] = timings["push"]
+    runs = {(kind, int(k)): v for kind in timings for k, v in timings[kind].items()}
     out = {}
     # Fetch data flows b -> a and push data a -> b: each direction's drops belong to one kind
     # (summed over the kind's runs: the counters are read once around the whole job).
@@ -170,17 +171,20 @@ def report(args, lines: list[str], rows: dict, ceiling: dict[int, dict]) -> str:
 
 
 def closing_keys(raw: dict[int, dict], product: dict[tuple[str, int], dict]) -> list[str]:
-    """The last line's figures: the product's fetch per K and its best, raw TCP per K."""
-    fetch = {k: s["efficiency"] for (kind, k), s in product.items() if kind == "fetch"}
-    keys = [f"efficiency_{k}={fetch[k]:.3f}" for k in sorted(fetch)]
-    if fetch:
-        best = max(fetch, key=fetch.get)
-        keys += [f"efficiency_best={fetch[best]:.3f}", f"best_streams={best}"]
+    """The last line's figures: the product's fetch per K and its best, raw TCP per K, the
+    product's push per K and its best."""
+    keys = _per_k(product, "fetch", "efficiency", "")
     keys.append(f"raw_tcp_efficiency={raw[min(raw)]['efficiency']:.3f}")
     keys += [f"raw_tcp_efficiency_{k}={raw[k]['efficiency']:.3f}" for k in sorted(raw)]
-    push = product.get(("push", 1))
-    if push is not None:
-        keys.append(f"isthmus_push_efficiency={push['efficiency']:.3f}")
+    return keys + _per_k(product, "push", "push_efficiency", "push_")
+
+
+def _per_k(product: dict, kind: str, name: str, prefix: str) -> list[str]:
+    effs = {k: s["efficiency"] for (what, k), s in product.items() if what == kind}
+    keys = [f"{name}_{k}={effs[k]:.3f}" for k in sorted(effs)]
+    if effs:
+        best = max(effs, key=effs.get)
+        keys += [f"{name}_best={effs[best]:.3f}", f"{prefix}best_streams={best}"]
     return keys
 
 
@@ -206,7 +210,7 @@ def measure(link: WanLink, args, folder: Path) -> tuple[list[str], dict, dict]:
     plan += [] if args.no_isthmus else [("isthmus", args.repeats)]
     streams = [int(k) for k in args.streams.split(",")]
     plan += [("ceiling", 1), ("ceiling", 4)]
-    names = {"tcp": "raw TCP, {} stream(s)", "isthmus": "isthmus: {} fetch + push rounds"}
+    names = {"tcp": "raw TCP, {} stream(s)", "isthmus": "isthmus: {} fetch + push round(s) a K"}
     names["ceiling"] = "relay ceiling (no delay, no cap), {} stream(s)"
     rows: dict = {}
     ceiling: dict[int, list[dict]] = {}

@@ -2,12 +2,13 @@
 
 The site is a lightweight client speaking the real protocol (``CoordinatorClient``, as in
 ``bench.scale``), plaintext: TLS changes the CPU cost, not what the link does to one stream.
-Each round it fetches theta_r whole once over each of the stream counts asked for
-(``[transfer] streams``: the job allows the largest, the client takes each in turn) and pushes a
-float32 update of the same size; every call is timed from the client, on connections opened
-before the first round, so the figures compare with a raw TCP stream's first byte to receipt
-(``bench.streams_tcp``). The job is DiLoCo on a residual Linear stack of about the requested
-size, one site, ``rounds`` rounds.
+Each round it fetches theta_r whole and pushes a float32 update of the same size over one of
+the stream counts asked for (``[transfer] streams``: the job allows the largest, the site
+takes each in turn, round after round, each K on connections of its own); every call is timed
+from the client, on connections opened before the first round, so the figures compare with a
+raw TCP stream's first byte to receipt (``bench.streams_tcp``). The job is DiLoCo on a
+residual Linear stack of about the requested size, one site, ``repeats`` rounds per stream
+count.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def model_shape(mib: float) -> tuple[int, int]:
 
 
 def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) -> dict:
-    """In namespace a: join, then per round fetch theta_r over each of ``streams`` and push an
-    update; the timings, ``{"fetch": {"K": [(s, bytes)...]}, "push": [...]}``."""
+    """In namespace a: join, then per round fetch theta_r and push an update over the next of
+    ``streams``; the timings, ``{"fetch": {"K": [(s, bytes)...]}, "push": {"K": [...]}}``."""
     import torch
 
     from bench.sync import residual_stack
@@ -41,24 +42,35 @@ def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) 
 
     like = residual_stack(width, depth).state_dict()
     payload = payload_of(*pack({n: torch.full_like(t, 1e-3) for n, t in like.items()}))
-    fetches: dict[str, list] = {str(k): [] for k in streams}
-    pushes = []
-    with CoordinatorClient(address, "site-0", transfer_timeout_s=600) as client:
-        client.join()
-        client.connect_streams(max(streams))
+    timings: dict[str, dict[str, list]] = {"fetch": {}, "push": {}}
+    main = CoordinatorClient(address, "site-0", transfer_timeout_s=600)
+    main.join()
+    # Each K on connections of its own, as a job with that K would have: a connection that was
+    # one of 8 keeps the small ssthresh its share of the link left it, and one stream on it
+    # would ramp up slowly. They share the site's lease (one site, one join).
+    clients = {k: CoordinatorClient(address, "site-0", transfer_timeout_s=600) for k in streams}
+    for k, client in clients.items():
+        client.lease, client.transfer = main.lease, TransferConfig(streams=k)
+        client.connect_streams(k)
+    try:
         for r in range(rounds):
-            client.wait_for_round(r - 1, poll_s=0.2)
-            for k in streams:
-                client.transfer = TransferConfig(streams=k)
-                before = client.bytes_received
-                t = time.monotonic()
-                client.fetch()  # theta_r, whole
-                fetches[str(k)].append((time.monotonic() - t, client.bytes_received - before))
+            k = streams[r % len(streams)]
+            client = clients[k]
+            main.wait_for_round(r - 1, poll_s=0.2)
+            before = client.bytes_received
+            t = time.monotonic()
+            client.fetch()  # theta_r, whole
+            took = (time.monotonic() - t, client.bytes_received - before)
+            timings["fetch"].setdefault(str(k), []).append(took)
             t = time.monotonic()
             client.push(r, payload, base_version=r)
-            pushes.append((time.monotonic() - t, payload.total_bytes))
-        client.leave("done")
-    return {"fetch": fetches, "push": pushes}
+            took = (time.monotonic() - t, payload.total_bytes)
+            timings["push"].setdefault(str(k), []).append(took)
+        main.leave("done")
+    finally:
+        for client in [main, *clients.values()]:
+            client.close()
+    return timings
 
 
 def _job(folder: Path, listen: str, width: int, depth: int, rounds: int, streams: int) -> Path:
@@ -73,13 +85,15 @@ def _job(folder: Path, listen: str, width: int, depth: int, rounds: int, streams
     return folder / "job.toml"
 
 
-def run(link: WanLink, folder: Path, mib: float, rounds: int, streams: list[int]) -> dict:
-    """Serve a job in b, run ``site`` in a; what ``site`` returns."""
+def run(link: WanLink, folder: Path, mib: float, repeats: int, streams: list[int]) -> dict:
+    """Serve a job of ``repeats`` rounds per stream count in b, run ``site`` in a; what
+    ``site`` returns."""
     from bench.sync_run import _env, _wait_address
 
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     width, depth = model_shape(mib)
+    rounds = repeats * len(streams)
     config = _job(folder, link.addr_b, width, depth, rounds, max(streams))
     log = open(folder / "coordinator.log", "w")  # noqa: SIM115 - the child's
     cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(config), "--insecure"]

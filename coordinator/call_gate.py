@@ -46,9 +46,9 @@ COORDINATOR = "isthmus.v1.Coordinator"
 class CallLimits:
     """How many calls of each kind one certificate may have open at once.
 
-    An honest site has at most one heartbeat or join, one round watch, one fetch per transfer
-    stream and one push in flight; the limits leave room for a retry overlapping a call the
-    site gave up on."""
+    An honest site has at most one heartbeat or join, one round watch, and one fetch and one
+    push per transfer stream in flight; the limits leave room for a retry overlapping a call
+    the site gave up on."""
 
     control: int = 4  # Join, Heartbeat, Leave
     wait: int = 2  # WaitRound (a long poll)
@@ -58,9 +58,10 @@ class CallLimits:
 
     @classmethod
     def for_transfer(cls, transfer: TransferConfig) -> CallLimits:
-        """The limits for a job whose fetches take ``transfer.streams`` (K) streams each: K
-        fetch streams, and room for a retry of each."""
-        return cls(fetch=2 * transfer.streams)
+        """The limits for a job whose transfers take ``transfer.streams`` (K) streams each: K
+        fetch (and push) streams, and room for a retry of each."""
+        k = transfer.streams
+        return cls(fetch=2 * k, push=2 * k)
 
     def of(self, kind: str) -> int:
         return getattr(self, kind)

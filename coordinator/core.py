@@ -56,7 +56,7 @@ from coordinator.theta_files import ThetaFiles
 from coordinator.uploads import Upload, UploadTable
 from strategies import RobustAggregator, load_strategy
 from wire.health import Probe
-from wire.transfer import range_problem
+from wire.transfer import Piece, range_problem
 
 log = logging.getLogger("isthmus.coordinator")
 WAIT_ROUND_CAP_S = 60.0
@@ -98,6 +98,7 @@ class CoordinatorCore:
                 cfg.server.concurrent_uploads,
                 sum(self.state.theta.tensors[n].numel() * 4 for n in self.trainable),
                 cfg.server.receive_window_bytes,
+                cfg.transfer.streams,
             )
         )
         if cfg.server.concurrent_uploads is None:
@@ -493,14 +494,18 @@ class CoordinatorCore:
             admission = self.counter.admit(header, self.clock())
         return self.intake.open(header, admission)
 
-    def upload_chunk(self, upload: Upload, offset: int, data: bytes, token: int = 0) -> None:
-        self.intake.write(upload, offset, data)
+    def upload_chunk(
+        self, upload: Upload, offset: int, data: bytes, token: int = 0, piece: Piece | None = None
+    ) -> None:
+        """One chunk of a stream of ``upload`` carrying ``piece`` (None: the whole payload)."""
+        self.intake.write(upload, offset, data, piece)
         with self.lock:
             self.state.bytes_in += len(data)
             self.members.data_arrived(upload.site, token, self.clock())
 
-    def release_upload(self, upload: Upload) -> None:
-        self.uploads.release(upload)
+    def release_upload(self, upload: Upload, piece: Piece | None = None) -> None:
+        """The stream of ``upload`` carrying ``piece`` ended."""
+        self.uploads.release(upload, piece)
 
     def reserve_slot(self, upload: Upload) -> bool:
         """Wait for a receive slot for ``upload`` (``coordinator.receive_slots``); True once

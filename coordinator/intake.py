@@ -38,6 +38,7 @@ from strategies.robust import norm_of
 from wire.chunking import ChunkError
 from wire.codecs import CodecError, verify
 from wire.tensors import DTYPES, Manifest, PayloadError
+from wire.transfer import Piece, range_problem
 
 log = logging.getLogger("isthmus.coordinator")
 
@@ -69,9 +70,19 @@ class UpdateIntake:
             )
         except PayloadError as exc:
             raise Refused("invalid", f"bad update manifest: {exc}") from exc
+        piece = header.piece
+        if piece is not None and (
+            problem := range_problem(piece.offset, piece.length, manifest.total_bytes)
+        ):
+            raise Refused("invalid", f"upload {header.upload_id}: piece: {problem}")
         try:
             upload = self.uploads.begin(
-                header.site, admission.storage_round, header.upload_id, manifest, header.weight
+                header.site,
+                admission.storage_round,
+                header.upload_id,
+                manifest,
+                header.weight,
+                piece,
             )
         except UploadConflict as exc:
             raise Refused("invalid", str(exc)) from exc
@@ -82,9 +93,10 @@ class UpdateIntake:
         upload.admission = admission
         return upload
 
-    def write(self, upload: Upload, offset: int, data: bytes) -> None:
+    def write(self, upload: Upload, offset: int, data: bytes, piece: Piece | None = None) -> None:
+        """One chunk of a stream carrying ``piece`` (None: the whole payload)."""
         try:
-            upload.add(offset, data)
+            upload.add(offset, data, piece)
         except ChunkError as exc:
             raise Refused("invalid", f"upload {upload.upload_id}: {exc}") from exc
         except OSError as exc:

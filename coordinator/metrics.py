@@ -144,9 +144,9 @@ class SlotsCollector:
 
 
 RECEIVE_ROWS = (
-    ("uploads_receiving", "Upload streams being received now"),
+    ("uploads_receiving", "Uploads being received now (on one stream or several)"),
     ("uploads_waiting", "Uploads waiting for a receive slot"),
-    ("uploads_receiving_peak", "The most upload streams received at once"),
+    ("uploads_receiving_peak", "The most uploads received at once"),
     (
         "receive_slots",
         "Uploads received at once: server.concurrent_uploads or sized from the model (0: no limit)",

@@ -9,7 +9,8 @@ in the round's fold order (``coordinator.accumulate``), so the running sum can f
 as it arrives instead of holding it back for an earlier one. A grant not used within
 ``GRANT_TTL_S`` lapses (a site that died after asking). A stream that starts without a grant (a
 resumed probe, a client that does not ask) is let in all the same: slots bound memory, they
-never refuse bytes.
+never refuse bytes. The streams of one upload sent in pieces (``[transfer] streams``) share its
+slot.
 
 The decision is the pure ``slots_to_grant``; ``ReceiveSlots`` keeps the state under its own
 condition variable (never the core's lock: a reservation waits).
@@ -30,9 +31,12 @@ AUTO_SHARE, AUTO_MIN, AUTO_MAX = 0.25, 2, 8
 ASSUMED_WINDOW_BYTES = 8 << 20  # for a window gRPC sizes itself (``receive_window_bytes`` 0)
 
 
-def upload_slots(configured: int | None, update_bytes: int, window_bytes: int) -> int:
+def upload_slots(
+    configured: int | None, update_bytes: int, window_bytes: int, streams: int = 1
+) -> int:
     """How many uploads to receive at once (pure): ``configured`` if set (0: no limit), else
-    as many windows as fit in ``AUTO_SHARE`` of an update, from ``AUTO_MIN`` to ``AUTO_MAX``.
+    as many uploads as fit in ``AUTO_SHARE`` of an update, from ``AUTO_MIN`` to ``AUTO_MAX``,
+    each holding a window on each of its ``streams`` (``[transfer] streams``).
 
     Memory is what a slot costs (a window of bytes in flight, and a chunk or two); ingress
     bandwidth is what it buys (a window per round trip). A small model gets few slots, so
@@ -40,7 +44,7 @@ def upload_slots(configured: int | None, update_bytes: int, window_bytes: int) -
     an 80 ms RTT); from a 256 MiB model on, the full eight."""
     if configured is not None:
         return configured
-    window = window_bytes or ASSUMED_WINDOW_BYTES
+    window = (window_bytes or ASSUMED_WINDOW_BYTES) * streams
     return max(AUTO_MIN, min(AUTO_MAX, int(update_bytes * AUTO_SHARE) // window))
 
 
@@ -67,7 +71,7 @@ class ReceiveSlots:
         self.active: dict[Hashable, int] = {}  # upload -> its data streams being received
         self.granted: dict[Hashable, float] = {}  # upload -> when its grant lapses
         self.waiting: dict[Hashable, tuple] = {}  # upload -> (fold position, asked at)
-        self.peak = 0  # the most data streams received at once
+        self.peak = 0  # the most uploads received at once
 
     def reserve(self, key: Hashable, order: int, wait_s: float = RESERVE_WAIT_S) -> bool:
         """Wait (up to ``wait_s``) for a slot for ``key``; True once granted."""
@@ -97,8 +101,9 @@ class ReceiveSlots:
         self.cond.notify_all()
 
     def in_use(self) -> int:
-        """Data streams being received now (under ``cond``)."""
-        return sum(self.active.values())
+        """Slots in use: uploads being received now, on one stream or several (under
+        ``cond``)."""
+        return len(self.active)
 
     def enter(self, key: Hashable) -> None:
         """A data stream of ``key`` starts: its grant (if any) becomes a slot in use."""
@@ -117,6 +122,6 @@ class ReceiveSlots:
             self._grant(self.clock())
 
     def counts(self) -> tuple[int, int]:
-        """(streams being received, uploads waiting for a slot), for metrics."""
+        """(uploads being received, uploads waiting for a slot), for metrics."""
         with self.cond:
             return self.in_use(), len(self.waiting)

@@ -11,6 +11,7 @@ from coordinator.theta_file import ThetaSource
 from wire.health import Probe
 from wire.proto import isthmus_pb2 as pb
 from wire.tensors import Manifest
+from wire.transfer import Piece
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
@@ -89,6 +90,7 @@ class PushHeader:
     weight: float
     base_version: int
     data_unit: str = ""
+    piece: Piece | None = None  # the bytes this stream carries (None: the whole payload)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from wire.health import Probe
 from wire.leader import LEADER_KEY
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
+from wire.transfer import Piece
 
 log = logging.getLogger("isthmus.coordinator")
 
@@ -122,6 +123,23 @@ def probe_of(report: pb.HealthReport) -> Probe:
     if problem := probe.problem():
         raise Refused("invalid", f"heartbeat: {problem}")
     return probe
+
+
+def received_ranges(upload) -> list[pb.ByteRange]:
+    return [pb.ByteRange(offset=s, length=e - s) for s, e in upload.spans()]
+
+
+def piece_reply(upload, piece: Piece) -> pb.PushReply:
+    """What a piece's stream is told once it ends: where the piece resumes, what is in. Such
+    a stream never completes the upload; the reservation asked once every byte is in does."""
+    acked = upload.acked(piece)
+    return pb.PushReply(
+        complete=False,
+        acked_offset=acked,
+        received=received_ranges(upload),
+        message=f"piece [{piece.offset}, {piece.end}): {acked - piece.offset} of "
+        f"{piece.length} bytes received",
+    )
 
 
 def lease_pb(lease, ttl_s: float) -> pb.Lease:
@@ -309,6 +327,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._auth(context, "site", first.header.lease.site)
         refuse_unknown_fields(first)
         h = first.header
+        piece = Piece(h.piece.offset, h.piece.length) if h.HasField("piece") else None
+        if piece is not None and h.reserve:
+            raise Refused("invalid", "a reservation is for the whole upload: it carries no piece")
         upload = self.core.begin_upload(
             PushHeader(
                 site=h.lease.site,
@@ -319,6 +340,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 weight=h.weight,
                 base_version=h.base_version,
                 data_unit=h.data_unit,
+                piece=piece,
             )
         )
         try:
@@ -326,11 +348,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 return self._reserve(upload, h.lease.token, chunks, context)
             with self.core.receiving(upload):
                 for offset, data in chunks:
-                    self.core.upload_chunk(upload, offset, data, h.lease.token)
+                    self.core.upload_chunk(upload, offset, data, h.lease.token, piece)
                     self.metrics.received(upload.site, len(data))
+                if piece is not None:
+                    return piece_reply(upload, piece)
                 return self._finish(upload, h.lease.token, context)
         finally:
-            self.core.release_upload(upload)
+            self.core.release_upload(upload, piece)
 
     def _reserve(self, upload, token: int, chunks, context) -> pb.PushReply:
         """A header-only stream asking for a receive slot; one whose bytes all arrived
@@ -344,6 +368,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             acked_offset=upload.received,
             granted=granted,
             message="send now" if granted else "every receive slot is busy; ask again",
+            received=received_ranges(upload),
         )
 
     def _finish(self, upload, token: int, context) -> pb.PushReply:

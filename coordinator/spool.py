@@ -1,6 +1,7 @@
 """Received updates on disk: durable before they count, read back to be summed.
 
-Each upload streams into ``spool/round-NNNNNNNN/SITE+UPLOAD.part``; once its SHA-256 and
+Each upload streams into ``spool/round-NNNNNNNN/SITE+UPLOAD.part`` (which byte ranges of it
+arrived: ``SITE+UPLOAD.ranges``, ``coordinator.disk.RangeLog``); once its SHA-256 and
 contents verify it is fsynced and renamed to ``LABEL.update`` beside a ``LABEL.json`` holding
 its key, manifest and weight (the label is the update key's: ``site``, ``site@u3``,
 ``site@late2``). An update must count whole or not at all (a site can die half-way, a chunk can
@@ -175,7 +176,10 @@ class UpdateSpool:
         return open(self.part_path(round_number, site, upload_id), "ab")
 
     def discard_part(self, round_number: int, site: str, upload_id: str) -> None:
-        self.part_path(round_number, site, upload_id).unlink(missing_ok=True)
+        """Remove an upload's ``.part`` file and its range log (``disk.RangeLog``)."""
+        part = self.part_path(round_number, site, upload_id)
+        part.unlink(missing_ok=True)
+        part.with_suffix(".ranges").unlink(missing_ok=True)
 
     def commit(
         self,
@@ -211,6 +215,7 @@ class UpdateSpool:
         # .part file as it was, for the retry. A record without its .update is not counted.
         write_atomic(d / f"{key.label}.json", json.dumps(meta).encode())
         os.replace(part, final)
+        part.with_suffix(".ranges").unlink(missing_ok=True)  # the bytes are all in
         fsync_dir(d)
         return SpooledUpdate(key, weight, final, manifest)
 

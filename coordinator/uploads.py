@@ -2,12 +2,15 @@
 
 An upload is keyed by (site, upload_id). When its stream breaks, what arrived stays in the
 spool's ``.part`` file and a new stream with the same upload id continues from the acknowledged
-offset (after a coordinator restart too: the SHA-256 state is rebuilt from the file).
+offset (after a coordinator restart too: the received ranges come back from the upload's
+range log, the SHA-256 state from the file). With ``[transfer] streams`` K > 1 an upload comes
+as pieces on up to K streams at once: each carries one byte range of the payload
+(``PushHeader.piece``), ranges being received at once must be disjoint (``stream_clash``), and
+each resumes where its own range is received up to (``coordinator.upload_bytes``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coordinator.disk import PartFile
 from coordinator.screening import ArrivalScreen
 from coordinator.spool import UpdateSpool
-from wire.chunking import Reassembler
+from coordinator.upload_bytes import UploadBytes
 from wire.tensors import Manifest, PayloadError, TensorEntry
+from wire.transfer import Piece
 
 if TYPE_CHECKING:
     from coordinator.streaming import RoundFragment
@@ -95,10 +98,14 @@ class UploadConflict(ValueError):
 
 
 class UploadBusy(ValueError):
-    """The upload is being received on another stream right now: retry shortly."""
+    """The upload (or the piece of it asked for) is being received on another stream right
+    now: retry shortly."""
 
 
 class Upload:
+    """One update being received, on one stream or on several carrying disjoint pieces
+    (``PushHeader.piece``); its bytes and what of them arrived are ``UploadBytes``."""
+
     def __init__(
         self,
         spool: UpdateSpool,
@@ -111,43 +118,65 @@ class Upload:
         self.site, self.round, self.upload_id = site, round_number, upload_id
         self.manifest, self.weight = manifest, weight
         self.path: Path = spool.part_path(round_number, site, upload_id)
-        hasher = hashlib.sha256()
-        received = 0
-        if self.path.exists():
-            size = self.path.stat().st_size
-            if size > manifest.total_bytes:
-                self.path.unlink()
-            else:
-                with open(self.path, "rb") as f:
-                    while block := f.read(1 << 22):
-                        hasher.update(block)
-                received = size
         spool.round_dir(round_number).mkdir(parents=True, exist_ok=True)
-        self.file = PartFile(self.path, received)
-        self.screen = ArrivalScreen(manifest, resumed_at=received)
-        self.reassembler = Reassembler(
-            manifest.total_bytes, manifest.sha256, self.file, received, hasher
-        )
-        self.busy = False
+        self.bytes = UploadBytes(self.path, manifest.total_bytes, manifest.sha256)
+        spans = self.bytes.spans()
+        self.screen = ArrivalScreen(manifest, resumed_at=spans[-1][1] if spans else 0)
+        # The ranges being received now, one per stream (None: a stream of the whole payload).
+        self.streams: list[Piece | None] = []
         self.admission = None  # what it counts as once complete (``coordinator.records``)
 
     @property
+    def file(self) -> UploadBytes:
+        """Its ``.part`` file's writer (``broken``: a failed write could not be undone)."""
+        return self.bytes
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.streams)
+
+    @property
     def received(self) -> int:
-        return self.reassembler.received
+        """Bytes received in order from the start (all of them, for one stream)."""
+        return self.bytes.received
 
     @property
     def complete(self) -> bool:
-        return self.reassembler.complete
+        return self.bytes.complete
 
-    def add(self, offset: int, data: bytes) -> None:
-        self.reassembler.add(offset, data)
+    def spans(self) -> list[tuple[int, int]]:
+        """The byte ranges received, ``(start, end)`` in order."""
+        return self.bytes.spans()
+
+    def acked(self, piece: Piece | None) -> int:
+        """Where a stream carrying ``piece`` (None: the whole payload) resumes."""
+        return self.bytes.resume_at(piece)
+
+    def add(self, offset: int, data: bytes, piece: Piece | None = None) -> None:
+        self.bytes.add(piece, offset, data)
         self.screen.add(offset, data)
 
     def verify(self) -> None:
-        self.reassembler.finish()
+        self.bytes.finish()
 
     def close(self) -> None:
-        self.file.close()
+        self.bytes.close()
+
+
+def stream_clash(streams: list[Piece | None], piece: Piece | None, upload_id: str) -> str | None:
+    """Why a new stream carrying ``piece`` (None: the whole payload) cannot be received next
+    to ``streams``, or None when it can: pieces being received at once must be disjoint."""
+    if not streams:
+        return None
+    if piece is None or None in streams:
+        return f"upload {upload_id!r} is already being received on another stream; retry shortly"
+    for other in streams:
+        if piece.offset < other.end and other.offset < piece.end:
+            return (
+                f"piece [{piece.offset}, {piece.end}) of upload {upload_id!r} overlaps piece "
+                f"[{other.offset}, {other.end}) being received on another stream; retry shortly"
+            )
+    return None
 
 
 class UploadTable:
@@ -157,8 +186,16 @@ class UploadTable:
         self._uploads: dict[tuple[str, str], Upload] = {}
 
     def begin(
-        self, site: str, round_number: int, upload_id: str, manifest: Manifest, weight: float
+        self,
+        site: str,
+        round_number: int,
+        upload_id: str,
+        manifest: Manifest,
+        weight: float,
+        piece: Piece | None = None,
     ) -> Upload:
+        """The upload ``upload_id`` of ``site`` (resumed, or new), with a stream carrying
+        ``piece`` (None: the whole payload) registered on it until ``release``."""
         with self._lock:
             key = (site, upload_id)
             upload = self._uploads.get(key)
@@ -169,22 +206,20 @@ class UploadTable:
                     f"upload id {upload_id!r} was already used for another payload; "
                     "use a new upload id"
                 )
-            if upload is not None and upload.busy:
-                raise UploadBusy(
-                    f"upload {upload_id!r} is already being received on another "
-                    "stream; retry shortly"
-                )
+            if upload is not None and (clash := stream_clash(upload.streams, piece, upload_id)):
+                raise UploadBusy(clash)
             if upload is None:
                 for other in [u for k, u in self._uploads.items() if k[0] == site and not u.busy]:
                     self._drop(other)  # a restarted site abandons its older uploads
                 upload = Upload(self.spool, site, round_number, upload_id, manifest, weight)
                 self._uploads[key] = upload
-            upload.busy = True
+            upload.streams.append(piece)
             return upload
 
-    def release(self, upload: Upload) -> None:
+    def release(self, upload: Upload, piece: Piece | None = None) -> None:
         with self._lock:
-            upload.busy = False
+            if piece in upload.streams:
+                upload.streams.remove(piece)
 
     def forget(self, upload: Upload) -> None:
         """The upload was committed: stop tracking it."""

@@ -74,14 +74,15 @@ def chunk_problem(piece: Piece, expected: int, offset: int, size: int) -> str | 
 
 
 class PieceQueue:
-    """The pieces not yet taken, in payload order; ``stop`` empties it for every stream."""
+    """The pieces not yet taken (of a fetch, or of a push with where each starts), in payload
+    order; ``stop`` empties it for every stream."""
 
-    def __init__(self, pieces: Iterable[Piece]) -> None:
+    def __init__(self, pieces: Iterable) -> None:
         self._pieces = deque(pieces)
         self._lock = threading.Lock()
         self.stopped = threading.Event()
 
-    def take(self) -> Piece | None:
+    def take(self):
         with self._lock:
             if self.stopped.is_set() or not self._pieces:
                 return None

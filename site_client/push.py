@@ -17,6 +17,7 @@ terminal, a log line now and then elsewhere, for a long push only.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -25,11 +26,13 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from site_client.errors import CoordinatorError, PushAborted
+from site_client.parallel_push import PiecedPush
 from site_client.transfer_progress import TransferProgress
 from site_client.update_payload import UpdatePayload
 from wire.bulk import RESERVE_WAIT_S, chunk_frame
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
+from wire.transfer import Piece, plan_pieces
 
 COMMITTED_BY = "isthmus-committed-by"
 
@@ -67,20 +70,23 @@ class UpdatePush:
         self.held_s = 0.0  # how long the last chunk waited for ``hold``
         self.progress = progress or TransferProgress()
         self._bulk = None  # the upload's own connection, while ``run`` runs
+        self.connections: list = []  # one per stream of the upload, while ``run`` runs
 
-    def header(self, reserve: bool = False) -> bytes:
-        return pb.PushMessage(
-            header=pb.PushHeader(
-                lease=self.client.lease,
-                round=self.round,
-                upload_id=self.upload_id,
-                data_unit=self.unit,
-                manifest=self.payload.manifest.to_proto(),
-                weight=self.weight,
-                base_version=self.base,
-                reserve=reserve,
-            )
-        ).SerializeToString()
+    def header(self, reserve: bool = False, piece: Piece | None = None) -> bytes:
+        """The stream's first frame; with ``piece``, for a stream carrying only that piece."""
+        header = pb.PushHeader(
+            lease=self.client.lease,
+            round=self.round,
+            upload_id=self.upload_id,
+            data_unit=self.unit,
+            manifest=self.payload.manifest.to_proto(),
+            weight=self.weight,
+            base_version=self.base,
+            reserve=reserve,
+        )
+        if piece is not None:
+            header.piece.offset, header.piece.length = piece.offset, piece.length
+        return pb.PushMessage(header=header).SerializeToString()
 
     def frames(self, start: int) -> Iterator[bytes]:
         """The header, then the chunks from ``start`` (``wire.bulk`` frames)."""
@@ -91,13 +97,13 @@ class UpdatePush:
         for offset, data in self.payload.chunks(start, self.client.chunk_bytes):
             if self.abort():
                 return  # a short stream is left uncounted by the coordinator
-            if offset + len(data) == total and not self._wait_for_hold():
+            if offset + len(data) == total and not self.wait_for_hold():
                 return
             yield chunk_frame(offset, data)
             self.client.bytes_sent += len(data)
             self.progress.advance(len(data))
 
-    def _wait_for_hold(self) -> bool:
+    def wait_for_hold(self) -> bool:
         """Before the last chunk: wait for ``hold``; False if withdrawn meanwhile."""
         started = time.monotonic()
         try:
@@ -110,9 +116,11 @@ class UpdatePush:
 
     def attempt(self) -> pb.PushReply:
         c = self.client
+        if len(self.connections) > 1:
+            return PiecedPush(self).attempt()
         if self.abort():
             raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
-        granted = self._reserve()
+        granted = self.reserve()
         if granted.complete:  # every byte had arrived: the header alone completed it
             return granted
         self.acked = granted.acked_offset
@@ -125,7 +133,19 @@ class UpdatePush:
             raise ChunkError(f"push incomplete: {reply.message}")
         return reply
 
-    def _reserve(self) -> pb.PushReply:
+    def pieces(self) -> list[Piece]:
+        """The pieces of the payload for ``[transfer] streams`` (one for a small payload)."""
+        c = self.client
+        return plan_pieces(self.payload.total_bytes, c.chunk_bytes, c.transfer.streams)
+
+    def streams(self) -> int:
+        """How many streams the upload takes: ``[transfer] streams``, as far as it has pieces."""
+        return min(self.client.transfer.streams, len(self.pieces()))
+
+    def withdrawn(self) -> PushAborted:
+        return PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
+
+    def reserve(self) -> pb.PushReply:
         """Ask for a receive slot (``coordinator.receive_slots``) until granted; the reply
         also says how much of the payload the coordinator holds already."""
         c = self.client
@@ -141,9 +161,15 @@ class UpdatePush:
     def run(self) -> pb.PushReply:
         complete = False
         try:
-            # One connection for the data streams of every attempt: a new one per attempt
-            # would start connecting afresh each time, and on a slow link never get there.
-            with self.client.upload_connection() as self._bulk:
+            # One connection per stream for the data streams of every attempt: a new one per
+            # attempt would start connecting afresh each time, and on a slow link never get
+            # there.
+            with contextlib.ExitStack() as held:
+                self.connections = [
+                    held.enter_context(self.client.upload_connection())
+                    for _ in range(self.streams())
+                ]
+                self._bulk = self.connections[0]
                 reply = self.client.call("push", self.attempt)
             complete = True
             return reply

@@ -39,10 +39,13 @@ class UpdatePayload:
     def total_bytes(self) -> int:
         return self.manifest.total_bytes
 
-    def chunks(self, start: int, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:
-        """``(offset, bytes)`` pieces of the payload from ``start``, each ``chunk_bytes``
-        long (the last one shorter); padding between segments is zeros."""
-        total = self.total_bytes
+    def chunks(
+        self, start: int, chunk_bytes: int, stop: int | None = None
+    ) -> Iterator[tuple[int, memoryview]]:
+        """``(offset, bytes)`` pieces of the payload from ``start`` (to ``stop``, default the
+        end), each ``chunk_bytes`` long (the last one shorter); padding between segments is
+        zeros."""
+        total = self.total_bytes if stop is None else stop
         for offset in range(start, total, chunk_bytes):
             end = min(offset + chunk_bytes, total)
             yield offset, self._read(offset, end)

@@ -118,7 +118,7 @@ def test_k_streams_fetch_theta_bit_identical_to_one(site, tmp_path, streams):
 
 def test_a_stream_cut_mid_piece_resumes_at_its_byte(coord, pki, site, tmp_path):
     want, total = fetch_with(site, 1, dest=tmp_path / "theta.safetensors")
-    with Relay(target=("127.0.0.1", coord.port), rate_bps=16e6) as relay:
+    with Relay(target=("127.0.0.1", coord.port), rate_bps=32e6) as relay:
         # 4 MiB pieces, which the coordinator sends as two 2 MiB chunks each.
         c = CoordinatorClient(
             relay.address, "site-b", tls=Bundle.load(pki / "site-b"), backoff=FAST_BACKOFF

@@ -42,6 +42,9 @@ def test_unset_slots_are_sized_from_the_model():
     assert upload_slots(None, 64 * mib, 0) == 2  # a gRPC-sized window is taken as 8 MiB
     assert upload_slots(3, 50 << 30, 8 * mib) == 3  # a setting wins
     assert upload_slots(0, 1 * mib, 8 * mib) == 0  # 0 stays "no limit"
+    # An upload over K streams holds K windows: fewer of them fit.
+    assert upload_slots(None, 256 * mib, 8 * mib, streams=4) == 2
+    assert upload_slots(None, 1024 * mib, 8 * mib, streams=4) == 8
 
 
 def test_a_waiting_upload_is_granted_when_a_stream_ends():

@@ -1,21 +1,28 @@
-"""Parallel transfers, the pure parts: the ``[transfer]`` table, pieces, ranges, the checks a
-site makes on every stream of a parallel fetch (``wire/transfer.py``,
-``site_client/fetch_pieces.py``)."""
+"""Parallel transfers, the parts without a network: the ``[transfer]`` table, pieces, ranges,
+the checks a site makes on every stream of a parallel fetch, and the coordinator's bookkeeping
+of an upload sent in pieces (``wire/transfer.py``, ``site_client/fetch_pieces.py``,
+``coordinator/upload_bytes.py``)."""
 
 from __future__ import annotations
+
+import hashlib
 
 import pytest
 from test_config import VALID, _error, _write
 
 from coordinator.config import load_config
+from coordinator.receive_slots import ReceiveSlots
+from coordinator.upload_bytes import UploadBytes, chunk_refusal
+from coordinator.uploads import stream_clash
 from site_client.fetch_pieces import PieceQueue, chunk_problem, header_problem
-from wire.chunking import MAX_CHUNK_BYTES
+from wire.chunking import MAX_CHUNK_BYTES, ChunkError
 from wire.config_table import ConfigError
 from wire.proto import isthmus_pb2 as pb
 from wire.transfer import (
     MIN_CHUNKS_PER_STREAM,
     PIECES_PER_STREAM,
     Piece,
+    ReceivedRanges,
     TransferConfig,
     plan_pieces,
     range_problem,
@@ -144,3 +151,120 @@ def test_a_transfer_that_is_not_a_table_or_not_toml_is_refused(tmp_path):
         transfer_from_job({"transfer": [4]})
     with pytest.raises(ConfigError, match="not valid TOML"):
         transfer_from_toml(b"[transfer\nstreams = 2")
+
+
+# ---- the coordinator's side of an upload in pieces -----------------------------------------
+
+
+def test_received_ranges_merge_and_say_where_a_piece_goes_on():
+    r = ReceivedRanges([(10, 20), (0, 5), (5, 8), (30, 40)])
+    assert r.spans == [(0, 8), (10, 20), (30, 40)] and r.covered() == 28
+    r.add(8, 10)
+    assert r.spans == [(0, 20), (30, 40)]
+    assert r.run_end(0) == 20 and r.run_end(19) == 20 and r.run_end(20) == 20
+    assert r.run_end(25) == 25 and r.next_start(20) == 30 and r.next_start(41) is None
+    assert r.resume_at(Piece(30, 5)) == 35 and r.resume_at(Piece(20, 10)) == 20
+    r.add(15, 35)
+    assert r.spans == [(0, 40)] and r.covers(40) and not r.covers(41)
+    assert ReceivedRanges().covers(0)
+
+
+def test_streams_of_one_upload_carry_disjoint_pieces():
+    a, b = Piece(0, 10), Piece(10, 10)
+    assert stream_clash([], None, "u") is None and stream_clash([a], b, "u") is None
+    assert "overlaps piece [0, 10)" in stream_clash([a], Piece(5, 10), "u")
+    assert "another stream" in stream_clash([a], None, "u")  # the whole payload: alone
+    assert "another stream" in stream_clash([None], a, "u")
+
+
+@pytest.mark.parametrize(
+    "piece, offset, size, words",
+    [
+        (None, 20, 4, None),  # the whole payload goes on at 20
+        (None, 24, 4, "out-of-order chunk: offset 24, next expected offset 20"),
+        (None, 16, 4, "duplicated chunk: offset 16"),
+        (None, 20, 11, "duplicated chunk: bytes from offset 30"),
+        (Piece(20, 5), 20, 5, None),
+        (Piece(20, 5), 20, 6, "runs past its piece [20, 25)"),
+        (Piece(40, 10), 40, 4, None),
+        (Piece(40, 10), 44, 4, "out-of-order chunk"),
+        (None, 20, 81, "runs past the declared 100-byte payload"),
+        (Piece(0, 30), 20, 4, None),  # resumes where its received run ends
+        (Piece(0, 100), 20, 0, "empty chunk"),
+        (None, 20, MAX_CHUNK_BYTES + 1, "exceeds"),
+    ],
+)
+def test_a_chunk_must_be_the_next_its_stream_owes(piece, offset, size, words):
+    ranges = ReceivedRanges([(0, 20), (30, 40)])
+    problem = chunk_refusal(ranges, piece, 100, offset, size)
+    assert problem is None if words is None else words in problem, problem
+
+
+def test_the_range_log_drops_a_torn_record_and_survives_a_restart(tmp_path):
+    path = tmp_path / "s+u.part"
+    b = UploadBytes(path, 30, hashlib.sha256(bytes(range(30))).digest())
+    b.add(Piece(10, 10), 10, bytes(range(10, 20)))
+    b.add(None, 0, bytes(range(5)))
+    b.close()
+    with open(path.with_suffix(".ranges"), "ab") as f:
+        f.write(b"\x01\x02\x03")  # a record torn by the crash
+    again = UploadBytes(path, 30, b.expected_sha256)
+    assert again.spans() == [(0, 5), (10, 20)] and again.received == 5
+    assert again.resume_at(Piece(10, 10)) == 20 and again.resume_at(Piece(20, 10)) == 20
+    with pytest.raises(ChunkError, match="truncated payload: 15 of 30"):
+        again.finish()
+    again.add(None, 5, bytes(range(5, 10)))
+    again.add(Piece(20, 10), 20, bytes(range(20, 30)))
+    assert again.complete and again.hashed == 10  # what came out of order is read back
+    again.finish()
+    assert path.read_bytes() == bytes(range(30))
+    again.close()
+
+
+def test_a_range_log_from_another_payload_starts_the_upload_again(tmp_path):
+    path = tmp_path / "s+u.part"
+    b = UploadBytes(path, 64, b"\x00" * 32)
+    b.add(None, 0, bytes(64))
+    b.close()
+    again = UploadBytes(path, 32, b"\x00" * 32)  # the same id, a shorter manifest
+    assert again.spans() == [] and again.received == 0 and path.stat().st_size == 0
+    again.close()
+
+
+def test_the_streams_of_one_upload_share_its_receive_slot():
+    slots = ReceiveSlots(1)
+    for _ in range(4):
+        slots.enter(("site-a", "u1"))
+    assert slots.counts() == (1, 0) and slots.peak == 1
+    assert not slots.reserve(("site-b", "u2"), 0, wait_s=0.05)
+    for _ in range(4):
+        slots.leave(("site-a", "u1"))
+    assert slots.reserve(("site-b", "u2"), 0, wait_s=0.05)
+
+
+def test_a_range_log_claiming_more_than_its_file_holds_starts_again(tmp_path):
+    path = tmp_path / "s+u.part"
+    b = UploadBytes(path, 64, b"\x00" * 32)
+    b.add(Piece(32, 32), 32, bytes(32))
+    b.close()
+    path.write_bytes(bytes(40))  # cut short behind the coordinator's back
+    again = UploadBytes(path, 64, b"\x00" * 32)
+    assert again.spans() == [] and again.resume_at(Piece(32, 32)) == 32
+    again.close()
+
+
+def test_a_streams_chunks_grow_one_record_of_the_range_log(tmp_path):
+    path = tmp_path / "s+u.part"
+    data = bytes(range(256)) * 4
+    b = UploadBytes(path, len(data), hashlib.sha256(data).digest())
+    for offset in range(0, 512, 8):  # one stream, tiny chunks
+        b.add(None, offset, data[offset : offset + 8])
+    for offset in range(768, 1024, 4):  # another, on a piece of its own
+        b.add(Piece(768, 256), offset, data[offset : offset + 4])
+    b.close()
+    assert path.with_suffix(".ranges").stat().st_size == 2 * 16  # a record per stream
+    again = UploadBytes(path, len(data), b.expected_sha256)
+    assert again.spans() == [(0, 512), (768, 1024)]
+    again.add(Piece(512, 256), 512, data[512:768])
+    again.finish()
+    again.close()

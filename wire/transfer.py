@@ -10,16 +10,19 @@ connections at once::
 The payload is cut into pieces of whole chunks, about ``PIECES_PER_STREAM`` per stream, in one
 queue that every stream takes its next piece from: a stream that runs slow (cubic's start
 left some streams behind) simply takes fewer pieces, where fixed 1/K shares leave the whole
-transfer waiting for the slowest. A piece travels as a ranged fetch
-(``FetchRequest.length``), resumable at any byte inside it.
+transfer waiting for the slowest. Down, a piece travels as a ranged fetch
+(``FetchRequest.length``); up, as a push stream carrying that piece only
+(``PushHeader.piece``). Either resumes at any byte inside the piece: ``ReceivedRanges`` is
+what a receiver holds, and where a piece goes on.
 
 Both sides read the table from the same job config: the coordinator allows each certificate
-``2 K`` fetch streams at once (``CallLimits.for_transfer``: K plus a retry of each), the sites
-use K. Everything here is pure.
+``2 K`` fetch and ``2 K`` push streams at once (``CallLimits.for_transfer``: K plus a retry of
+each), the sites use K. Everything here is pure.
 """
 
 from __future__ import annotations
 
+import bisect
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -92,16 +95,63 @@ def plan_pieces(total: int, chunk_bytes: int, streams: int) -> list[Piece]:
 
 
 def range_problem(offset: int, length: int | None, total: int) -> str | None:
-    """Why a fetch of ``length`` bytes (None: to the end) from ``offset`` of a ``total``-byte
-    payload cannot be served, or None when it can."""
+    """Why ``length`` bytes (None: to the end) from ``offset`` of a ``total``-byte payload
+    cannot be asked for (a ranged fetch, a piece of an upload), or None when they can."""
     if not 0 <= offset <= total:
         return f"offset {offset} outside the {total}-byte payload"
     if length is None:
         return None
     if length <= 0:
-        return f"a ranged fetch asks for at least one byte of the {total}-byte payload (length 0)"
+        return f"a range holds at least one byte of the {total}-byte payload (length 0)"
     if offset + length > total:
         return (
             f"range [{offset}, {offset} + {length}) runs past the end of the {total}-byte payload"
         )
     return None
+
+
+class ReceivedRanges:
+    """Disjoint byte ranges ``[start, end)``, kept merged and sorted."""
+
+    def __init__(self, ranges: list[tuple[int, int]] = ()) -> None:
+        self.spans: list[tuple[int, int]] = []
+        for start, end in ranges:
+            self.add(start, end)
+
+    def add(self, start: int, end: int) -> None:
+        if end <= start:
+            return
+        spans = self.spans
+        i = bisect.bisect_left(spans, (start, start))
+        if i > 0 and spans[i - 1][1] >= start:  # touches the one before
+            i -= 1
+            start = spans[i][0]
+        j = i
+        while j < len(spans) and spans[j][0] <= end:
+            end = max(end, spans[j][1])
+            j += 1
+        spans[i:j] = [(start, end)]
+
+    def run_end(self, offset: int) -> int:
+        """Where the run of received bytes that ``offset`` starts or lies in ends (``offset``
+        itself if that byte is not in)."""
+        i = bisect.bisect_right(self.spans, (offset, float("inf"))) - 1
+        if i >= 0 and self.spans[i][0] <= offset < self.spans[i][1]:
+            return self.spans[i][1]
+        return offset
+
+    def next_start(self, offset: int) -> int | None:
+        """The start of the first received range at or after ``offset``, if any."""
+        i = bisect.bisect_left(self.spans, (offset, offset))
+        return self.spans[i][0] if i < len(self.spans) else None
+
+    def covered(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+    def covers(self, total: int) -> bool:
+        return total == 0 or self.spans == [(0, total)]
+
+    def resume_at(self, piece: Piece) -> int:
+        """Where a stream carrying ``piece`` goes on: the end of the received run from its
+        start, within it."""
+        return min(self.run_end(piece.offset), piece.end)

@@ -155,6 +155,18 @@ def data_unit(fz, data, msgs, h):
 
 
 @_needs_header
+def piece(fz, data, msgs, h):
+    """The stream carries one piece of the payload (``[transfer] streams`` > 1): a valid
+    range, an empty one, one past the end or one whose end overflows."""
+    t = h.manifest.total_bytes
+    offset = data.draw(st.sampled_from([0, 0, t // 2, t - 1, t, U64_MAX]) | st.integers(0, t) | U64)
+    rest = t - offset if offset < t else 1
+    length = data.draw(st.sampled_from([rest, rest, 1, 0, rest + 1, U64_MAX]) | U64)
+    h.piece.offset, h.piece.length = _u64(offset), _u64(length)
+    return f"piece({h.piece.offset}, {h.piece.length})"
+
+
+@_needs_header
 def manifest_absent(fz, data, msgs, h):
     h.ClearField("manifest")
     return "manifest_absent"

@@ -23,6 +23,7 @@ from .mutations_header import (
     lease_site,
     lease_token,
     manifest_absent,
+    piece,
     round_number,
     sha256,
     total_bytes,
@@ -205,6 +206,7 @@ OPS: dict[str, dict[str, Callable]] = {
         upload_id,
         weight,
         data_unit,
+        piece,
         manifest_absent,
     ),
     "manifest": _by_name(

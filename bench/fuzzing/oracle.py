@@ -101,6 +101,8 @@ def push_verdict(msgs: list, leases: set, r: int, resume: Resume | None = None) 
         if sha != resume.sha:
             return "refuse"  # an upload id reused for another payload
         total, entries, data = resume.total, resume.entries, resume.prefix
+    if h.HasField("piece"):
+        return piece_verdict(h.piece, total, len(data), msgs[1:])
     for m in msgs[1:]:
         if m is None or m.WhichOneof("kind") != "chunk":
             return "refuse"
@@ -114,6 +116,24 @@ def push_verdict(msgs: list, leases: set, r: int, resume: Resume | None = None) 
     if hashlib.sha256(data).digest() != sha or not all_finite(entries, data):
         return "refuse"
     return "count"
+
+
+def piece_verdict(piece: pb.ByteRange, total: int, held: int, chunks: list) -> str:
+    """A stream carrying one piece (``[transfer] streams`` > 1) never counts: ``partial`` if
+    the piece lies inside the payload and its chunks come in order from where the piece is
+    received up to (``held``: bytes received from the start), else ``refuse``."""
+    start, end = piece.offset, piece.offset + piece.length
+    if piece.length == 0 or end > total:
+        return "refuse"
+    at = min(held, end) if start <= held else start
+    for m in chunks:
+        if m is None or m.WhichOneof("kind") != "chunk":
+            return "refuse"
+        n = len(m.chunk.data)
+        if n == 0 or n > MAX_CHUNK_BYTES or m.chunk.offset != at or at + n > end:
+            return "refuse"
+        at += n
+    return "partial"
 
 
 def corrupt_last_chunk(msgs: list) -> bool:

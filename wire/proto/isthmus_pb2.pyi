@@ -236,8 +236,16 @@ class FetchMessage(_message.Message):
     chunk: Chunk
     def __init__(self, header: _Optional[_Union[FetchHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
+class ByteRange(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
 class PushHeader(_message.Message):
-    __slots__ = ("lease", "round", "upload_id", "data_unit", "manifest", "weight", "base_version", "reserve")
+    __slots__ = ("lease", "round", "upload_id", "data_unit", "manifest", "weight", "base_version", "reserve", "piece")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +254,7 @@ class PushHeader(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     round: int
     upload_id: str
@@ -254,7 +263,8 @@ class PushHeader(_message.Message):
     weight: float
     base_version: int
     reserve: bool
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[int] = ..., upload_id: _Optional[str] = ..., data_unit: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., weight: _Optional[float] = ..., base_version: _Optional[int] = ..., reserve: _Optional[bool] = ...) -> None: ...
+    piece: ByteRange
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[int] = ..., upload_id: _Optional[str] = ..., data_unit: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., weight: _Optional[float] = ..., base_version: _Optional[int] = ..., reserve: _Optional[bool] = ..., piece: _Optional[_Union[ByteRange, _Mapping]] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -265,16 +275,18 @@ class PushMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("complete", "acked_offset", "message", "granted")
+    __slots__ = ("complete", "acked_offset", "message", "granted", "received")
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     ACKED_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     GRANTED_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
     complete: bool
     acked_offset: int
     message: str
     granted: bool
-    def __init__(self, complete: _Optional[bool] = ..., acked_offset: _Optional[int] = ..., message: _Optional[str] = ..., granted: _Optional[bool] = ...) -> None: ...
+    received: _containers.RepeatedCompositeFieldContainer[ByteRange]
+    def __init__(self, complete: _Optional[bool] = ..., acked_offset: _Optional[int] = ..., message: _Optional[str] = ..., granted: _Optional[bool] = ..., received: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("lease", "reason")
