@@ -16,6 +16,10 @@ from bench import streams
 from bench.wan_link import TCP_RMEM, WanLink, WanLinkUnavailable, check_available
 from bench.wan_relay import Bottleneck
 
+# Slow suite: the benchmark's link, not the product. Late in a full default run (a process with
+# many gRPC threads behind it) an `ip netns exec` forked from it once died of SIGABRT.
+pytestmark = pytest.mark.slow
+
 
 def _link(**kw) -> WanLink:
     try:

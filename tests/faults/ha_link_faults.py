@@ -20,10 +20,8 @@ import signal
 import time
 from dataclasses import dataclass
 
-from coordinator import s3_layout
-from coordinator.s3_objects import list_keys
 from faults.ha_cluster import TTL_S, HaCluster
-from faults.ha_faults import signal_site
+from faults.ha_faults import checkpoint_uploading, signal_site
 
 ROUND = 1
 ETCD_CUT_S = 10.0
@@ -73,13 +71,7 @@ def cut_store_while_checkpointing(c: HaCluster) -> None:
     """The object store is unreachable for ``STORE_CUT_S`` from the moment round 2's
     checkpoint (round 1's close) has data in the store and no manifest yet (its ballast
     makes the upload take a while)."""
-    folder = s3_layout.round_folder(ROUND + 1)
-
-    def uploading() -> bool:
-        keys = list_keys(c.store.client, c.store.bucket, c.store.dir + folder)
-        return bool(keys) and s3_layout.MANIFEST not in keys
-
-    c.wait_for(uploading, 180, f"round {ROUND + 1}'s checkpoint upload", 0.01)
+    c.wait_for(lambda: checkpoint_uploading(c, ROUND + 1), 180, f"round {ROUND + 1}'s upload", 0.01)
     _cut_store(c)
 
 

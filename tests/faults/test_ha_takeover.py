@@ -16,17 +16,21 @@ SPEC = JobSpec()
 
 
 @pytest.mark.parametrize(
-    "drive",
-    [ha_faults.kill_leader_while_round_open, ha_faults.kill_leader_with_one_update_counted],
-    ids=["round-open", "one-update-counted"],
+    "drive,spec",
+    [
+        (ha_faults.kill_leader_while_round_open, SPEC),
+        (ha_faults.kill_leader_with_one_update_counted, SPEC),
+        (ha_faults.kill_leader_while_checkpointing, JobSpec(ballast_mib=96)),
+    ],
+    ids=["round-open", "one-update-counted", "checkpointing"],
 )
 def test_standby_takes_over_from_a_killed_leader(
-    drive, reference, etcd, seaweed, monkeypatch, tmp_path
+    drive, spec, reference, etcd, seaweed, monkeypatch, tmp_path
 ):
-    expected = reference(SPEC)
+    expected = reference(spec)
     for name, value in seaweed.env().items():
         monkeypatch.setenv(name, value)  # the coordinators inherit them
-    with HaCluster(tmp_path, SPEC, etcd, seaweed) as c:
+    with HaCluster(tmp_path, spec, etcd, seaweed) as c:
         c.start()
         first = c.leader()
         drive(c)
@@ -38,7 +42,7 @@ def test_standby_takes_over_from_a_killed_leader(
         first.start()
         assert first.wait(timeout=30) == 0, first.log_tail()
         assert "is complete" in first.log_tail(5), first.log_tail()
-    sites = [f"site-{i}" for i in range(SPEC.sites)]
+    sites = [f"site-{i}" for i in range(spec.sites)]
     verdict = judge(record, reference_hash=expected, all_sites=sites)
     assert verdict.survived, "\n".join(verdict.problems) + f"\nlogs:\n{tails}"
     assert verdict.lost_rounds == [] and verdict.double_counted == 0
