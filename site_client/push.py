@@ -119,7 +119,7 @@ class UpdatePush:
         if len(self.connections) > 1:
             return PiecedPush(self).attempt()
         if self.abort():
-            raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
+            raise self.withdrawn()
         granted = self.reserve()
         if granted.complete:  # every byte had arrived: the header alone completed it
             return granted
@@ -128,7 +128,7 @@ class UpdatePush:
         reply = self._bulk.Push(self.frames(self.acked), timeout=c.transfer_timeout_s)
         if not reply.complete:
             if self.abort():
-                raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
+                raise self.withdrawn()
             self.acked = reply.acked_offset
             raise ChunkError(f"push incomplete: {reply.message}")
         return reply
@@ -156,7 +156,7 @@ class UpdatePush:
             if reply.complete or reply.granted:
                 return reply
             if self.abort():
-                raise PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
+                raise self.withdrawn()
 
     def run(self) -> pb.PushReply:
         complete = False
