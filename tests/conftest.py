@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from seaweed import AWS_VARS
 
 
 @pytest.fixture(autouse=True)
@@ -29,6 +30,16 @@ def seaweed(tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def aws(seaweed, monkeypatch):
+    """The session's SeaweedFS as the only AWS settings this test's environment holds."""
+    for name in AWS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in seaweed.env().items():
+        monkeypatch.setenv(name, value)
+    return seaweed
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,9 @@ from pathlib import Path
 ACCESS_KEY = "isthmus-test"
 SECRET_KEY = "isthmus-test-secret"
 BUCKET = "isthmus"
+# Every AWS setting a test clears before it points boto3 at this server alone.
+AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_PROFILE")
+AWS_VARS += ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN")
 PORT_FLAGS = (
     "master.port",
     "master.port.grpc",

@@ -22,17 +22,10 @@ from coordinator.event_remote import (
 )
 from coordinator.events import EventLog
 
-AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_PROFILE")
-AWS_VARS += ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN")
-
 
 @pytest.fixture
-def remote(seaweed, monkeypatch):
-    for name in AWS_VARS:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in seaweed.env().items():
-        monkeypatch.setenv(name, value)
-    return RemoteEvents(seaweed.client(), seaweed.bucket, f"{uuid.uuid4().hex}/job/")
+def remote(aws):
+    return RemoteEvents(aws.client(), aws.bucket, f"{uuid.uuid4().hex}/job/")
 
 
 def _log(folder, remote, rounds):

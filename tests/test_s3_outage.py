@@ -18,18 +18,6 @@ from coordinator.event_remote import RemoteEvents
 from coordinator.storage import StorageConfig, open_store
 from coordinator.store import Checkpoint, StoreError, StoreUnavailable
 
-AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_PROFILE")
-AWS_VARS += ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN")
-
-
-@pytest.fixture
-def aws(seaweed, monkeypatch):
-    for name in AWS_VARS:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in seaweed.env().items():
-        monkeypatch.setenv(name, value)
-    return seaweed
-
 
 def _store(aws):
     return open_store(Path("/nonexistent"), StorageConfig(f"s3://{aws.bucket}/{uuid.uuid4().hex}"))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from seaweed import AWS_VARS
 
 from coordinator import s3_layout as layout
 from coordinator.config import parse_config
@@ -17,9 +18,6 @@ from coordinator.s3_store import S3CheckpointStore
 from coordinator.storage import StorageConfig, check_storage, open_store, parse_url
 from coordinator.store import Checkpoint, CheckpointStore, StoreError
 from wire.config_table import ConfigError
-
-AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_PROFILE")
-AWS_VARS += ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN")
 
 
 def _theta(seed: int, n: int = 17) -> dict[str, torch.Tensor]:
@@ -47,15 +45,6 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
         assert torch.equal(a[k], b[k]), k
-
-
-@pytest.fixture
-def aws(seaweed, monkeypatch):
-    for name in AWS_VARS:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in seaweed.env().items():
-        monkeypatch.setenv(name, value)
-    return seaweed
 
 
 def _store(aws, prefix: str | None = None, mib: int = 64) -> S3CheckpointStore:

@@ -17,18 +17,6 @@ from site_client.checkpoint_place import CheckpointPlace, load_newest
 from site_client.ckpt_collectives import SiteCheckpointError
 from site_client.s3_checkpoint import open_site_checkpoints
 
-AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_PROFILE")
-AWS_VARS += ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN")
-
-
-@pytest.fixture
-def aws(seaweed, monkeypatch):
-    for name in AWS_VARS:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in seaweed.env().items():
-        monkeypatch.setenv(name, value)
-    return seaweed
-
 
 @pytest.fixture
 def store(aws, tmp_path):
