@@ -20,7 +20,7 @@ from coord_harness import CoordinatorProcess, subprocess_env, write_config
 
 from bench.relay import Relay
 from faults.record import CheckpointWatcher, RunRecord, read_events
-from faults.site import SiteProcess
+from faults.site import SiteProcess, wait_while_sites_live
 from faults.spec import JobSpec
 from wire.channel import open_channel
 from wire.identity import Bundle, init_ca, issue
@@ -204,16 +204,7 @@ class Cluster:
         self.wait_for(meta.exists, timeout, f"round {round_number} to close")
 
     def wait_for(self, predicate, timeout: float, what: str, interval: float = 0.02):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            for site in self.sites:
-                if site.exited_badly():
-                    raise AssertionError(f"{site.name} died waiting for {what}:\n{site.tail()}")
-            time.sleep(interval)
-        raise TimeoutError(f"timed out after {timeout}s waiting for {what}\n{self.tails()}")
+        return wait_while_sites_live(predicate, timeout, what, self.sites, self.tails, interval)
 
     def tails(self) -> str:
         parts = [f"--- coordinator ---\n{self.coordinator.log_tail(40)}"]

@@ -36,7 +36,7 @@ from coordinator.s3_objects import get_with_etag
 from coordinator.server import DEPOSED_EXIT
 from coordinator.storage import StorageConfig, open_store
 from faults.record import RunRecord
-from faults.site import SiteProcess
+from faults.site import SiteProcess, wait_while_sites_live
 from faults.spec import JobSpec
 from wire.channel import open_channel
 from wire.identity import Bundle, init_ca, issue
@@ -240,16 +240,7 @@ class HaCluster:
         return leader
 
     def wait_for(self, predicate, timeout: float, what: str, interval: float = 0.02):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            for site in self.sites:
-                if site.exited_badly():
-                    raise AssertionError(f"{site.name} died waiting for {what}:\n{site.tail()}")
-            time.sleep(interval)
-        raise TimeoutError(f"timed out after {timeout}s waiting for {what}\n{self.tails()}")
+        return wait_while_sites_live(predicate, timeout, what, self.sites, self.tails, interval)
 
     # ---- the end ----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from coord_harness import REPO
@@ -154,3 +155,18 @@ class SiteProcess:
             return "\n".join(self.log_path.read_text().splitlines()[-n:])
         except OSError:
             return "(no log)"
+
+
+def wait_while_sites_live(predicate, timeout: float, what: str, sites, tails, interval: float):
+    """``predicate()``'s first true value within ``timeout``; ``AssertionError`` at once if a
+    site dies meanwhile, ``TimeoutError`` (with ``tails()``, the processes' logs) after it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        for site in sites:
+            if site.exited_badly():
+                raise AssertionError(f"{site.name} died waiting for {what}:\n{site.tail()}")
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}\n{tails()}")
