@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import log_tail, stop_process
 
 from wire.backoff import BackoffPolicy
 from wire.grpc_options import channel_options
@@ -253,20 +254,10 @@ class CoordinatorProcess:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it does not go within a few seconds."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        stop_process(self.proc, grace_s=10)
 
     def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text().splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, n)
 
 
 def start_coordinator(folder: Path, cfg: dict[str, dict], **start_kw) -> CoordinatorProcess:

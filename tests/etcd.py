@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
+
+from server_process import log_tail, stop_process
 
 
 def etcd_binary() -> str | None:
@@ -88,17 +89,7 @@ class EtcdServer:
         raise TimeoutError(f"etcd did not become healthy ({last}):\n{self.log_tail()}")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        stop_process(self.proc, grace_s=5)
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join((self.folder / "etcd.log").read_text().splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.folder / "etcd.log", n)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from server_process import log_tail, stop_process
 
 ACCESS_KEY = "isthmus-test"
 SECRET_KEY = "isthmus-test-secret"
@@ -132,17 +133,7 @@ class SeaweedS3:
         raise TimeoutError(f"SeaweedFS S3 did not answer ({last}):\n{self.log_tail()}")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=3)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        stop_process(self.proc, grace_s=3)
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join((self.folder / "weed.log").read_text().splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.folder / "weed.log", n)
