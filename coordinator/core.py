@@ -129,7 +129,7 @@ class CoordinatorCore:
     def _open_state(self, term: Term | None) -> None:
         """The checkpoint store, the spool, the event log and this start's epoch. Under an
         etcd-elected ``term`` (``coordinator.ha``) the spool of an earlier leadership goes, the
-        store's commits are fenced, and the epoch is at least the election's revision."""
+        store's commits are fenced, and the store refuses the start of a stale candidate."""
         cfg = self.cfg
         self.store = open_store(cfg.state_dir, cfg.storage)
         self.spool = UpdateSpool(cfg.state_dir / "spool")

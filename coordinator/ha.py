@@ -4,9 +4,10 @@
 calls while this coordinator does not lead (``coordinator.standby``), and hands the core a
 ``Term`` once elected:
 
-* ``Term.revision``: the leader key's creation revision, from which the fencing epoch is
-  counted (``CoordinatorCore`` passes it to ``store.next_epoch``), so every lease token of an
-  earlier leader is stale under this one;
+* ``Term.revision``: the leader key's creation revision, which ``CoordinatorCore`` passes to
+  ``store.next_epoch``: the store counts the start (one more than the last, so every lease
+  token of an earlier leader is stale) only if no start elected later was counted
+  (``coordinator.s3_epochs``);
 * ``Term.fence``: raises ``StoreError`` once this coordinator may no longer act as the leader;
   the object store calls it before committing a manifest (``S3CheckpointStore.fence``), and
   the core before it takes or counts an update.

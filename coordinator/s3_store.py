@@ -16,14 +16,17 @@ The same interface as ``coordinator.store.CheckpointStore`` (``save``, ``load_la
 - Reading goes only through manifests; every object's SHA-256 is checked, then the state
   hashes in ``meta.json`` as the local store does; a damaged newest checkpoint falls back to
   the one before.
-- ``next_epoch``: read-increment-write of ``PREFIX/epoch`` with ``If-Match`` on its ETag
-  (``If-None-Match: *`` for the first), retried on 412: two coordinators starting on one
-  store never get the same epoch.
+- ``next_epoch``: read-modify-write of the starts record ``PREFIX/epoch``
+  (``coordinator.s3_epochs``) with ``If-Match`` on its ETag (``If-None-Match: *`` for the
+  first), retried on 412: two coordinators starting on one store never get the same epoch,
+  and a candidate elected before a start already counted is refused.
 - Fencing: before a manifest is written, ``fence`` (set by a coordinator elected through
   etcd, ``coordinator.ha``) must say this coordinator still leads, and ``PREFIX/epoch`` must
   still hold this start's epoch: a coordinator that started after it (a new leader counts its
   start before it loads a checkpoint) has taken the store over, and this one's commit is
-  refused. The manifest write itself stays conditional (``If-None-Match: *``).
+  refused. The manifest write itself stays conditional (``If-None-Match: *``), and names
+  its start: one that lands after a later start took over from an earlier round is void
+  (``s3_epochs.void_by``), skipped by readers and written over.
 
 The event log goes up in segments beside the checkpoints (``coordinator.event_remote``,
 through ``ship_events``); the spool, the drain list and the lock stay in the local state folder.
