@@ -83,6 +83,7 @@ class UpdateIntake:
                 manifest,
                 header.weight,
                 piece,
+                stream=not header.reserve,
             )
         except UploadConflict as exc:
             raise Refused("invalid", str(exc)) from exc

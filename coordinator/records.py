@@ -91,6 +91,7 @@ class PushHeader:
     base_version: int
     data_unit: str = ""
     piece: Piece | None = None  # the bytes this stream carries (None: the whole payload)
+    reserve: bool = False  # a header-only reservation: it carries no bytes
 
 
 @dataclass(frozen=True)

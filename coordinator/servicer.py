@@ -341,11 +341,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 base_version=h.base_version,
                 data_unit=h.data_unit,
                 piece=piece,
+                reserve=h.reserve,
             )
         )
+        if h.reserve:  # registered as no stream of the upload: nothing to release
+            return self._reserve(upload, h.lease.token, chunks, context, h.keep_open)
         try:
-            if h.reserve:
-                return self._reserve(upload, h.lease.token, chunks, context)
             with self.core.receiving(upload):
                 for offset, data in chunks:
                     self.core.upload_chunk(upload, offset, data, h.lease.token, piece)
@@ -356,13 +357,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         finally:
             self.core.release_upload(upload, piece)
 
-    def _reserve(self, upload, token: int, chunks, context) -> pb.PushReply:
+    def _reserve(self, upload, token: int, chunks, context, keep_open: bool) -> pb.PushReply:
         """A header-only stream asking for a receive slot; one whose bytes all arrived
-        already is counted as a plain probe would be."""
+        already is counted as a plain probe would be, unless it asks to keep it open."""
         if next(iter(chunks), None) is not None:
             raise Refused("invalid", "a reserve stream carries its header only, no chunks")
         if upload.complete:
-            return self._finish(upload, token, context)
+            if not keep_open:
+                return self._finish(upload, token, context)
+            return pb.PushReply(
+                acked_offset=upload.received,
+                message="every byte is in; kept open",
+                received=received_ranges(upload),
+            )
         granted = self.core.reserve_slot(upload)
         return pb.PushReply(
             acked_offset=upload.received,

@@ -40,7 +40,8 @@ import torch
 from coordinator.records import UpdateKey
 from coordinator.store import fsync_dir, write_atomic
 from strategies.base import SiteUpdate
-from wire.tensors import Manifest, TensorEntry, entry_tensor
+from wire.payload_parts import PayloadPart
+from wire.tensors import Manifest, TensorEntry, entries_from_json, entries_to_json, entry_tensor
 
 # Site names start with a letter or digit, so no update's "LABEL.json" can be these files.
 ROUND_FILE = "_round.json"
@@ -70,39 +71,9 @@ class SpooledUpdate:
         return SiteUpdate(self.key.site, self.weight, reader, key=self.key.label)
 
 
-def _entries_to_json(manifest: Manifest) -> list[dict]:
-    return [
-        {
-            "name": e.name,
-            "dtype": e.dtype,
-            "shape": list(e.shape),
-            "offset": e.offset,
-            "nbytes": e.nbytes,
-            "codec": e.codec,
-            "codec_meta": e.codec_meta.hex(),
-            "global_shape": list(e.global_shape),
-            "box_offset": list(e.box_offset),
-        }
-        for e in manifest.entries
-    ]
-
-
-def _entries_from_json(items: list[dict], total: int, sha: bytes) -> Manifest:
-    entries = tuple(
-        TensorEntry(
-            i["name"],
-            i["dtype"],
-            tuple(i["shape"]),
-            i["offset"],
-            i["nbytes"],
-            i["codec"],
-            bytes.fromhex(i.get("codec_meta", "")),
-            tuple(i.get("global_shape", ())),
-            tuple(i.get("box_offset", ())),
-        )
-        for i in items
-    )
-    return Manifest(entries, total, sha)
+def _entries_from_json(items: list[dict], total: int, sha: bytes, parts=()) -> Manifest:
+    split = tuple(PayloadPart(int(o), int(n), bytes.fromhex(h)) for o, n, h in parts)
+    return Manifest(entries_from_json(items), total, sha, split)
 
 
 def read_entry(path: Path, e: TensorEntry, keep: bool = True) -> torch.Tensor:
@@ -209,8 +180,10 @@ class UpdateSpool:
             "upload_id": upload_id,
             "total_bytes": manifest.total_bytes,
             "sha256": manifest.sha256.hex(),
-            "tensors": _entries_to_json(manifest),
+            "tensors": entries_to_json(manifest.entries),
         }
+        if manifest.parts:
+            meta["parts"] = [[p.offset, p.length, p.sha256.hex()] for p in manifest.parts]
         # The record first: it is what needs disk space, and a failure then leaves the
         # .part file as it was, for the retry. A record without its .update is not counted.
         write_atomic(d / f"{key.label}.json", json.dumps(meta).encode())
@@ -236,7 +209,10 @@ class UpdateSpool:
                 meta = json.loads(meta_path.read_text())
                 key = UpdateKey.from_json(meta["key"])
                 manifest = _entries_from_json(
-                    meta["tensors"], meta["total_bytes"], bytes.fromhex(meta["sha256"])
+                    meta["tensors"],
+                    meta["total_bytes"],
+                    bytes.fromhex(meta["sha256"]),
+                    meta.get("parts", ()),
                 )
                 weight = float(meta["weight"])
             except (ValueError, KeyError, TypeError, AttributeError):

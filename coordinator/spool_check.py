@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from coordinator.records import UpdateKey
 from coordinator.spool import SpooledUpdate, UpdateSpool
+from wire.payload_parts import file_digest as payload_file_digest
 
 log = logging.getLogger("isthmus.coordinator")
 HASH_BLOCK = 4 << 20
@@ -84,10 +85,25 @@ def file_digest(path) -> tuple[int, str] | None:
     return n, h.hexdigest()
 
 
+def spooled_digest(update: SpooledUpdate) -> tuple[int, str] | None:
+    """(length, digest hex) of a spooled update's file as its manifest states the digest:
+    the SHA-256 of the whole, or of its parts' digests (``wire.payload_parts``)."""
+    parts = update.manifest.parts
+    if not parts:
+        return file_digest(update.path)
+    try:
+        n = update.path.stat().st_size
+    except FileNotFoundError:
+        return None
+    if n != update.manifest.total_bytes:
+        return n, "-"  # its parts cannot be told apart: the length alone says it is damaged
+    return n, payload_file_digest(update.path, n, parts).hex()
+
+
 def damage_of(round_number: int, update: SpooledUpdate) -> Damage | None:
     """How ``update``'s file differs from its record, or None when it is intact."""
     want_n, want_sha = update.manifest.total_bytes, update.manifest.sha256.hex()
-    found = file_digest(update.path)
+    found = spooled_digest(update)
     if found == (want_n, want_sha):
         return None
     found_n, found_sha = found if found is not None else (None, None)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from coordinator.disk import PartFile, RangeLog
 from wire.chunking import MAX_CHUNK_BYTES, ChunkError
+from wire.payload_parts import PayloadPart, file_digest
 from wire.transfer import Piece, ReceivedRanges
 
 READ_BACK = 4 << 20
@@ -70,10 +71,15 @@ class UploadBytes:
         The ``.part`` file; its range log is ``path`` with the suffix ``.ranges``.
     total_bytes, sha256
         What the manifest declares for the whole payload.
+    parts
+        The manifest's parts (a multi-node site's update, ``wire.payload_parts``): each is
+        checked against its own digest, read back from the file once every byte is in.
     """
 
-    def __init__(self, path: Path, total_bytes: int, sha256: bytes) -> None:
-        self.total_bytes, self.expected_sha256 = total_bytes, sha256
+    def __init__(
+        self, path: Path, total_bytes: int, sha256: bytes, parts: tuple[PayloadPart, ...] = ()
+    ) -> None:
+        self.total_bytes, self.expected_sha256, self.parts = total_bytes, sha256, parts
         self.log = RangeLog(path.with_suffix(".ranges"))
         self.ranges = ReceivedRanges(self._restore(path))
         # The end of each range a record of this coordinator's holds -> (record, its start):
@@ -174,8 +180,11 @@ class UploadBytes:
         if not complete:
             raise ChunkError(f"truncated payload: {covered} of {self.total_bytes} bytes received")
         with self._lock:
-            self._hash_from_file(self.total_bytes)
-            digest = self._hasher.copy().digest()
+            if self.parts:
+                digest = file_digest(self.file.path, self.total_bytes, self.parts)
+            else:
+                self._hash_from_file(self.total_bytes)
+                digest = self._hasher.copy().digest()
         if digest != self.expected_sha256:
             raise ChunkError("payload SHA-256 mismatch: the data was corrupted in flight")
 

@@ -119,7 +119,7 @@ class Upload:
         self.manifest, self.weight = manifest, weight
         self.path: Path = spool.part_path(round_number, site, upload_id)
         spool.round_dir(round_number).mkdir(parents=True, exist_ok=True)
-        self.bytes = UploadBytes(self.path, manifest.total_bytes, manifest.sha256)
+        self.bytes = UploadBytes(self.path, manifest.total_bytes, manifest.sha256, manifest.parts)
         spans = self.bytes.spans()
         self.screen = ArrivalScreen(manifest, resumed_at=spans[-1][1] if spans else 0)
         # The ranges being received now, one per stream (None: a stream of the whole payload).
@@ -193,9 +193,12 @@ class UploadTable:
         manifest: Manifest,
         weight: float,
         piece: Piece | None = None,
+        stream: bool = True,
     ) -> Upload:
         """The upload ``upload_id`` of ``site`` (resumed, or new), with a stream carrying
-        ``piece`` (None: the whole payload) registered on it until ``release``."""
+        ``piece`` (None: the whole payload) registered on it until ``release``. A reservation
+        (``stream=False``) carries no bytes: it is registered as no stream, and may come while
+        other streams of the upload are received (another host's, on a multi-node site)."""
         with self._lock:
             key = (site, upload_id)
             upload = self._uploads.get(key)
@@ -206,14 +209,16 @@ class UploadTable:
                     f"upload id {upload_id!r} was already used for another payload; "
                     "use a new upload id"
                 )
-            if upload is not None and (clash := stream_clash(upload.streams, piece, upload_id)):
+            clash = stream_clash(upload.streams, piece, upload_id) if upload and stream else None
+            if clash:
                 raise UploadBusy(clash)
             if upload is None:
                 for other in [u for k, u in self._uploads.items() if k[0] == site and not u.busy]:
                     self._drop(other)  # a restarted site abandons its older uploads
                 upload = Upload(self.spool, site, round_number, upload_id, manifest, weight)
                 self._uploads[key] = upload
-            upload.streams.append(piece)
+            if stream:
+                upload.streams.append(piece)
             return upload
 
     def release(self, upload: Upload, piece: Piece | None = None) -> None:

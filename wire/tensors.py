@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +30,7 @@ from wire.codecs import (
     meta_info,
 )
 from wire.codecs.rules import CompressionConfig, choose_codec
+from wire.payload_parts import MAX_PARTS, PartsError, PayloadPart, check_parts
 from wire.proto import isthmus_pb2 as pb
 
 ALIGN = 64
@@ -115,6 +116,7 @@ class Manifest:
     entries: tuple[TensorEntry, ...]
     total_bytes: int
     sha256: bytes = field(default=b"")
+    parts: tuple[PayloadPart, ...] = ()  # several hosts' parts (``wire.payload_parts``)
 
     def fp32_bytes(self) -> int:
         """What the payload's tensors take as raw float32 (a codec's ratio is this over
@@ -139,6 +141,10 @@ class Manifest:
             ],
             total_bytes=self.total_bytes,
             sha256=self.sha256,
+            parts=[
+                pb.PayloadPart(offset=p.offset, length=p.length, sha256=p.sha256)
+                for p in self.parts
+            ],
         )
 
     @classmethod
@@ -160,7 +166,10 @@ class Manifest:
             )
             for t in msg.tensors
         )
-        manifest = cls(entries, int(msg.total_bytes), bytes(msg.sha256))
+        if len(msg.parts) > MAX_PARTS:
+            raise PayloadError(f"manifest lists {len(msg.parts)} parts, limit {MAX_PARTS}")
+        parts = tuple(PayloadPart(int(p.offset), int(p.length), bytes(p.sha256)) for p in msg.parts)
+        manifest = cls(entries, int(msg.total_bytes), bytes(msg.sha256), parts)
         validate_manifest(manifest, max_total_bytes)
         return manifest
 
@@ -174,6 +183,43 @@ class Manifest:
         for e in sorted(self.entries, key=lambda e: (e.name, e.box_offset)):
             out.setdefault(e.name, []).append(e)
         return out
+
+
+def entries_to_json(entries: Iterable[TensorEntry]) -> list[dict]:
+    """Entries as JSON values (a spool record, a multi-node site's part description)."""
+    return [
+        {
+            "name": e.name,
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "offset": e.offset,
+            "nbytes": e.nbytes,
+            "codec": e.codec,
+            "codec_meta": e.codec_meta.hex(),
+            "global_shape": list(e.global_shape),
+            "box_offset": list(e.box_offset),
+        }
+        for e in entries
+    ]
+
+
+def entries_from_json(items: list[dict]) -> tuple[TensorEntry, ...]:
+    """``entries_to_json`` read back; a malformed item raises ``KeyError``, ``TypeError`` or
+    ``ValueError`` (what it holds is checked by ``validate_manifest``)."""
+    return tuple(
+        TensorEntry(
+            str(i["name"]),
+            str(i["dtype"]),
+            tuple(int(d) for d in i["shape"]),
+            int(i["offset"]),
+            int(i["nbytes"]),
+            str(i["codec"]),
+            bytes.fromhex(i.get("codec_meta", "")),
+            tuple(int(d) for d in i.get("global_shape", ())),
+            tuple(int(d) for d in i.get("box_offset", ())),
+        )
+        for i in items
+    )
 
 
 def _aligned(n: int) -> int:
@@ -234,6 +280,12 @@ def validate_manifest(manifest: Manifest, max_total_bytes: int | None = None) ->
         _check_gap(e, end_of_previous)
         end_of_previous = e.offset + e.nbytes
     _check_total(manifest, end_of_previous)
+    if manifest.parts:
+        spans = ((e.label, e.offset, e.end) for e in manifest.entries)
+        try:
+            check_parts(manifest.parts, manifest.total_bytes, manifest.sha256, spans)
+        except PartsError as exc:
+            raise PayloadError(str(exc)) from None
 
 
 def _check_gap(e: TensorEntry, end_of_previous: int) -> None:

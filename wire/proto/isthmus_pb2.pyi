@@ -29,14 +29,26 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., codec_meta: _Optional[bytes] = ..., global_shape: _Optional[_Iterable[int]] = ..., box_offset: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("tensors", "total_bytes", "sha256")
+    __slots__ = ("tensors", "total_bytes", "sha256", "parts")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
     sha256: bytes
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[PayloadPart]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., parts: _Optional[_Iterable[_Union[PayloadPart, _Mapping]]] = ...) -> None: ...
+
+class PayloadPart(_message.Message):
+    __slots__ = ("offset", "length", "sha256")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    sha256: bytes
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -245,7 +257,7 @@ class ByteRange(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("lease", "round", "upload_id", "data_unit", "manifest", "weight", "base_version", "reserve", "piece")
+    __slots__ = ("lease", "round", "upload_id", "data_unit", "manifest", "weight", "base_version", "reserve", "piece", "keep_open")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +267,7 @@ class PushHeader(_message.Message):
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_OPEN_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     round: int
     upload_id: str
@@ -264,7 +277,8 @@ class PushHeader(_message.Message):
     base_version: int
     reserve: bool
     piece: ByteRange
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[int] = ..., upload_id: _Optional[str] = ..., data_unit: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., weight: _Optional[float] = ..., base_version: _Optional[int] = ..., reserve: _Optional[bool] = ..., piece: _Optional[_Union[ByteRange, _Mapping]] = ...) -> None: ...
+    keep_open: bool
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[int] = ..., upload_id: _Optional[str] = ..., data_unit: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., weight: _Optional[float] = ..., base_version: _Optional[int] = ..., reserve: _Optional[bool] = ..., piece: _Optional[_Union[ByteRange, _Mapping]] = ..., keep_open: _Optional[bool] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")
