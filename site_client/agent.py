@@ -23,6 +23,7 @@ from site_client.agent_state import AgentConfig, AgentState, default_shm_dir
 from site_client.compression import CODEC_STATE_FILE, compression_of, load_codec_state
 from site_client.coordinator_client import CoordinatorClient, CoordinatorError
 from site_client.local_ipc import IpcServer
+from site_client.node_encoding import PartEncoder
 from site_client.scratch import claim, reclaim_abandoned
 from site_client.trainer_channel import TrainerChannel
 from site_client.wan import WanWorker
@@ -94,6 +95,9 @@ class SiteAgent:
         self.wan = WanWorker(
             self.state, self.client, self.cfg, compression_of(job_config), codec_state
         )
+        if self.cfg.nodes > 1:
+            self.channel.encoder = PartEncoder(0, self.wan.compression, codec_state)
+            self.channel.lease = lambda: self.client.lease
         self.state.heard(reply.round, [])
 
     def stop(self, leave: bool = True, reason: str = "site stopping") -> None:

@@ -32,7 +32,10 @@ class AgentConfig:
     shm_dir: Path
     inner_steps: int | None = None  # None: the job's H
     wait_poll_s: float = 1.0
-    checkpoint_url: str = ""  # "": the trainers' checkpoints go to run_dir/checkpoints
+    checkpoint_url: str = ""  # "": the trainers' checkpoints go to checkpoint_dir
+    checkpoint_dir: str = ""  # "": run_dir/checkpoints
+    node: int = 0  # a multi-node site: this host's node rank (0 holds the lease)
+    nodes: int = 1
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ ENV = {
     "--site": "ISTHMUS_SITE",
     "--run-dir": "ISTHMUS_RUN_DIR",
     "--checkpoint-url": "ISTHMUS_CHECKPOINT_URL",
+    "--checkpoint-dir": "ISTHMUS_CHECKPOINT_DIR",
     "--inner-steps": "ISTHMUS_INNER_STEPS",
     "--connect-timeout": "ISTHMUS_CONNECT_TIMEOUT",
     "--outage-timeout": "ISTHMUS_OUTAGE_TIMEOUT",
@@ -76,6 +77,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="s3://BUCKET[/PREFIX]",
         help="keep the trainers' checkpoints in S3-compatible storage, under PREFIX/SITE/ "
         "(endpoint and credentials from the AWS variables); default: RUN_DIR/checkpoints",
+    )
+    s.add_argument(
+        "--checkpoint-dir",
+        default="",
+        metavar="DIR",
+        help="keep the trainers' checkpoints in DIR (default RUN_DIR/checkpoints); a site of "
+        "several hosts (--nnodes) needs one every host sees (a shared file system) or "
+        "--checkpoint-url",
     )
     s.add_argument(
         "--inner-steps",
@@ -137,34 +146,65 @@ def _launch_and_bundle(args, launch_flags: list[str], command: list[str]):
         raise UsageError(f"{exc}") from exc
     if nproc_per_node(launch) < 1:
         raise UsageError(f"--nproc-per-node must be a number >= 1, got {launch.nproc_per_node!r}")
+    _check_nodes(args, launch, launch_flags)
     try:
         return launch, bundle_from_flags(args)
     except IdentityError as exc:
         raise UsageError(str(exc)) from exc
 
 
+def _check_nodes(args, launch, launch_flags: list[str]) -> None:
+    """A site of several hosts: each names its node, and they share the checkpoints."""
+    from site_client.launcher import node_count
+
+    nodes = node_count(launch)
+    if nodes <= 1:
+        return
+    if not any(f.startswith(("--node-rank", "--node_rank")) for f in launch_flags):
+        raise UsageError(
+            f"--nnodes {launch.nnodes}: give each host its --node-rank (0 holds the site's lease)"
+        )
+    if not 0 <= launch.node_rank < nodes:
+        raise UsageError(f"--node-rank {launch.node_rank} is not one of 0..{nodes - 1}")
+    if not (args.checkpoint_dir or args.checkpoint_url):
+        raise UsageError(
+            f"--nnodes {launch.nnodes}: every host writes the site's checkpoints; give "
+            "--checkpoint-dir on a file system all of them see, or --checkpoint-url"
+        )
+
+
 def _start(args, launch_flags: list[str], command: list[str]) -> int:
     from site_client.agent import AgentConfig, SiteAgent, default_shm_dir
     from site_client.coordinator_client import CoordinatorClient, CoordinatorError
-    from site_client.launcher import TrainersFailed, nproc_per_node, run_trainers
+    from site_client.launcher import TrainersFailed, node_count, nproc_per_node, run_trainers
     from wire.backoff import BackoffPolicy, DeadlineExceeded
 
     launch, bundle = _launch_and_bundle(args, launch_flags, command)
-    run_dir = Path(args.run_dir or Path("runs") / args.site).absolute()
+    nodes = node_count(launch)
+    node = launch.node_rank if nodes > 1 else 0
+    default_run = Path("runs") / (args.site if node == 0 else f"{args.site}-node{node}")
+    run_dir = Path(args.run_dir or default_run).absolute()
     cfg = AgentConfig(
         args.site,
         run_dir,
         default_shm_dir(args.site),
         args.inner_steps,
         checkpoint_url=args.checkpoint_url,
+        checkpoint_dir=str(Path(args.checkpoint_dir).absolute()) if args.checkpoint_dir else "",
+        node=node,
+        nodes=nodes,
     )
     client = CoordinatorClient(
         args.coordinator,
         args.site,
         backoff=BackoffPolicy(initial_s=0.5, cap_s=10.0, deadline_s=args.connect_timeout),
-        world_size=nproc_per_node(launch),
+        world_size=nproc_per_node(launch) * nodes,
         tls=bundle,
+        joins=node == 0,
     )
+    if node > 0:
+        client.backoff = BackoffPolicy(initial_s=0.5, cap_s=15.0, deadline_s=args.outage_timeout)
+        return _start_node(args, launch, cfg, client)
     agent = SiteAgent(cfg, client)
     try:
         agent.start()
@@ -176,11 +216,7 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         return 1
     if args.metrics:
         _serve_agent_metrics(agent, args.metrics, run_dir)
-    os.environ.update(
-        ISTHMUS_AGENT_SOCKET=str(cfg.shm_dir / "agent.sock"),
-        ISTHMUS_RUN_DIR=str(run_dir),
-        ISTHMUS_SITE=args.site,
-    )
+    _trainer_env(cfg)
     try:
         run_trainers(launch, args.site, run_dir / "trainer_logs")
     except TrainersFailed as exc:
@@ -203,6 +239,43 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         print(f"siteclient: error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _start_node(args, launch, cfg, client) -> int:
+    """Node k > 0 of a multi-node site: its host's trainers and WAN transfers, no lease."""
+    from site_client.launcher import TrainersFailed, run_trainers
+    from site_client.node_agent import NodeAgent
+
+    agent = NodeAgent(cfg, client, cfg.node)
+    agent.start()
+    _trainer_env(cfg)
+    try:
+        run_trainers(launch, args.site, cfg.run_dir / "trainer_logs")
+    except TrainersFailed as exc:
+        agent.stop()
+        print(f"siteclient: error: {agent.error}" if agent.error else exc.report, file=sys.stderr)
+        return 1
+    except BaseException as exc:  # SignalException, KeyboardInterrupt
+        agent.stop()
+        reason = agent.error or f"{type(exc).__name__}: {str(exc).strip().splitlines()[0:1]}"
+        print(f"siteclient: error: node {cfg.node} of site {args.site}: {reason}", file=sys.stderr)
+        return 1
+    pushed = agent.finish_pushes(args.outage_timeout)
+    error = agent.error or (None if pushed else "parts still unsent at the end")
+    agent.stop()
+    if error:
+        print(f"siteclient: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _trainer_env(cfg) -> None:
+    """What the trainers this process launches read: their agent's socket, the site."""
+    os.environ.update(
+        ISTHMUS_AGENT_SOCKET=str(cfg.shm_dir / "agent.sock"),
+        ISTHMUS_RUN_DIR=str(cfg.run_dir),
+        ISTHMUS_SITE=cfg.site,
+    )
 
 
 def _check_checkpoint_url(url: str, site: str) -> None:

@@ -24,6 +24,7 @@ import grpc
 import torch
 
 from site_client.errors import CoordinatorError, PushAborted, TlsRefused
+from site_client.node_push import SitePart
 from site_client.push import UpdatePush, lost_race
 from site_client.stream_channels import FollowingStub, StreamChannels, UploadConnection
 from site_client.theta_fetch import GlobalState, ThetaFetcher
@@ -67,9 +68,12 @@ class CoordinatorClient:
         transfer_timeout_s: float = 3600.0,
         on_retry: Callable[[str, int, float, BaseException], None] | None = None,
         tls: Bundle | None = None,
+        joins: bool = True,
     ) -> None:
         """``address``: HOST:PORT, or several separated by commas (standby coordinators);
-        ``tls`` is the site's bundle (mutual TLS); ``None`` means plaintext (insecure)."""
+        ``tls`` is the site's bundle (mutual TLS); ``None`` means plaintext (insecure).
+        ``joins=False``: a node of a multi-node site other than node 0, which never joins
+        but works under the lease node 0 holds (set ``lease`` before each call)."""
         self.addresses, problem = parse_addresses(address)
         if problem:
             raise ValueError(f"coordinator address {address!r}: {problem}")
@@ -82,6 +86,7 @@ class CoordinatorClient:
         self.transfer_timeout_s = transfer_timeout_s
         self.on_retry = on_retry
         self.tls = tls
+        self.joins = joins
         self._channels: dict[str, tuple[grpc.Channel, grpc.Channel]] = {}
         self._switching = threading.Lock()
         self.streams = StreamChannels(lambda a: open_channel(a, tls, own_connection=True))
@@ -255,6 +260,8 @@ class CoordinatorClient:
     def _ensure_joined(self) -> None:
         """Join if no lease is held; of several threads finding none, one joins."""
         with self._join_lock:
+            if self.lease is None and not self.joins:
+                raise CoordinatorError(None, "no lease: node 0 of the site has not passed one on")
             if self.lease is None:
                 self._join_once()
 
@@ -340,6 +347,7 @@ class CoordinatorClient:
         codec_state: CodecState | None = None,
         abort: Callable[[], bool] | None = None,
         hold: threading.Event | None = None,
+        part: SitePart | None = None,
     ) -> pb.PushReply:
         """Send a pseudo-gradient for ``round_number``; resumes from the acknowledged offset.
 
@@ -347,7 +355,8 @@ class CoordinatorClient:
         tensors, encoded here by the codec ``compression`` picks for each (error feedback kept
         in ``codec_state``; encoded once: retries resend the same bytes). An update the
         coordinator already counted (e.g. sent again after a coordinator restart) is reported
-        as delivered. See ``site_client.push`` for ``abort`` and ``hold``.
+        as delivered. See ``site_client.push`` for ``abort`` and ``hold``, and
+        ``site_client.node_push`` for ``part`` (this host's bytes of a multi-node site's).
 
         Raises
         ------
@@ -375,6 +384,7 @@ class CoordinatorClient:
             upload_id=upload_id,
             abort=abort,
             hold=hold,
+            part=part,
         )
         try:
             return push.run()

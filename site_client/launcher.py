@@ -71,6 +71,11 @@ def parse_launch_args(flags: list[str], script: str, script_args: list[str]) -> 
     return args
 
 
+def node_count(args: argparse.Namespace) -> int:
+    """How many hosts the site's trainers span at most (``--nnodes N`` or ``MIN:MAX``)."""
+    return parse_min_max_nnodes(args.nnodes)[1]
+
+
 def nproc_per_node(args: argparse.Namespace) -> int:
     value = str(args.nproc_per_node)
     return int(value) if value.isdigit() else 0

@@ -46,16 +46,15 @@ class PiecedPush:
         p = self.push
         if p.abort():
             raise p.withdrawn()
-        granted = p.reserve()
-        if granted.complete:  # every byte had arrived: the header alone completed it
-            return granted
+        # Kept open: a resumed upload whose bytes are all in must still wait for ``hold``.
+        granted = p.reserve(keep_open=True)
         held = held_ranges(granted)
         todo = [(piece, held.resume_at(piece)) for piece in p.pieces()]
         todo = [(piece, start) for piece, start in todo if start < piece.end]
         p.tries += 1
         # Resumed: progress stands at what the coordinator holds; resent bytes count as moved.
         p.progress.start(f"push round {p.round}", p.payload.total_bytes, held.covered())
-        self._send(todo)
+        self.send(todo)
         if not p.wait_for_hold():
             raise p.withdrawn()
         reply = p.reserve()  # with every byte in: verified and counted
@@ -64,7 +63,7 @@ class PiecedPush:
             raise ChunkError(f"push incomplete after every piece was sent: {reply.message}")
         return reply
 
-    def _send(self, todo: list[tuple[Piece, int]]) -> None:
+    def send(self, todo: list[tuple[Piece, int]]) -> None:
         """Every piece of ``todo`` (from its start), over up to K streams, each on the
         upload's connection of its own for that stream (``UpdatePush.connections``)."""
         queue = PieceQueue(todo)
@@ -89,7 +88,7 @@ class PiecedPush:
                 PieceUpload(self.push, stub, *item, self._count, queue.stopped).run()
         except Stopped:
             pass
-        except BaseException as exc:  # handed to ``_send``, which raises the first
+        except BaseException as exc:  # handed to ``send``, which raises the first
             errors.append(exc)
             queue.stop()
 

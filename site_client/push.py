@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from site_client.errors import CoordinatorError, PushAborted
+from site_client.node_push import PartsPush, SitePart
 from site_client.parallel_push import PiecedPush
 from site_client.transfer_progress import TransferProgress
 from site_client.update_payload import UpdatePayload
@@ -60,8 +61,10 @@ class UpdatePush:
         abort: Callable[[], bool] | None = None,
         hold: threading.Event | None = None,
         progress: TransferProgress | None = None,
+        part: SitePart | None = None,
     ) -> None:
         self.client, self.round, self.payload = client, round_number, payload
+        self.part = part  # a multi-node site: this host's bytes only (``site_client.node_push``)
         self.weight, self.base, self.unit = weight, base_version, data_unit
         self.upload_id = upload_id or f"r{round_number}-{uuid.uuid4().hex[:16]}"
         self.abort = abort or (lambda: False)
@@ -72,7 +75,9 @@ class UpdatePush:
         self._bulk = None  # the upload's own connection, while ``run`` runs
         self.connections: list = []  # one per stream of the upload, while ``run`` runs
 
-    def header(self, reserve: bool = False, piece: Piece | None = None) -> bytes:
+    def header(
+        self, reserve: bool = False, piece: Piece | None = None, keep_open: bool = False
+    ) -> bytes:
         """The stream's first frame; with ``piece``, for a stream carrying only that piece."""
         header = pb.PushHeader(
             lease=self.client.lease,
@@ -83,6 +88,7 @@ class UpdatePush:
             weight=self.weight,
             base_version=self.base,
             reserve=reserve,
+            keep_open=keep_open,
         )
         if piece is not None:
             header.piece.offset, header.piece.length = piece.offset, piece.length
@@ -116,6 +122,8 @@ class UpdatePush:
 
     def attempt(self) -> pb.PushReply:
         c = self.client
+        if self.part is not None:
+            return PartsPush(self).attempt()
         if len(self.connections) > 1:
             return PiecedPush(self).attempt()
         if self.abort():
@@ -136,6 +144,8 @@ class UpdatePush:
     def pieces(self) -> list[Piece]:
         """The pieces of the payload for ``[transfer] streams`` (one for a small payload)."""
         c = self.client
+        if self.part is not None:
+            return self.part.pieces(c.chunk_bytes, c.transfer.streams)
         return plan_pieces(self.payload.total_bytes, c.chunk_bytes, c.transfer.streams)
 
     def streams(self) -> int:
@@ -145,15 +155,15 @@ class UpdatePush:
     def withdrawn(self) -> PushAborted:
         return PushAborted(f"push of round {self.round} {self.unit}: withdrawn")
 
-    def reserve(self) -> pb.PushReply:
+    def reserve(self, keep_open: bool = False) -> pb.PushReply:
         """Ask for a receive slot (``coordinator.receive_slots``) until granted; the reply
-        also says how much of the payload the coordinator holds already."""
+        also says how much of the payload the coordinator holds already. With ``keep_open``
+        the upload is not counted even if every byte is in (the reply then says so)."""
         c = self.client
         while True:
-            reply = c.bulk.Push(
-                iter([self.header(reserve=True)]), timeout=c.rpc_timeout_s + RESERVE_WAIT_S
-            )
-            if reply.complete or reply.granted:
+            header = self.header(reserve=True, keep_open=keep_open)
+            reply = c.bulk.Push(iter([header]), timeout=c.rpc_timeout_s + RESERVE_WAIT_S)
+            if reply.complete or reply.granted or (keep_open and _all_in(reply, self)):
                 return reply
             if self.abort():
                 raise self.withdrawn()
@@ -182,6 +192,11 @@ class UpdatePush:
             return pb.PushReply(complete=True, message=f"already counted: {exc}")
         finally:
             self.progress.finish(complete)
+
+
+def _all_in(reply: pb.PushReply, push: UpdatePush) -> bool:
+    """Whether a reply says the coordinator holds every byte of the payload."""
+    return sum(r.length for r in reply.received) >= push.payload.total_bytes
 
 
 def lost_race(winner: str, site: str) -> bool:

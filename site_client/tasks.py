@@ -90,6 +90,10 @@ class Upload:
     redo: bool = False  # withdrawn because the trainers restarted: they train the task again
     durable: threading.Event = field(default_factory=threading.Event)
     payload: object | None = None  # as built for its push (``site_client.update_payload``)
+    # A multi-node site: this host's part (``site_client.node_push.SitePart``) of the payload
+    # every node pushes under ``upload_id``.
+    part: object | None = None
+    upload_id: str | None = None
 
     def discard_files(self) -> None:
         for path in self.paths:

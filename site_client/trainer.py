@@ -48,6 +48,7 @@ new task starts from theta with the optimiser state the checkpoint holds. They g
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -70,6 +71,7 @@ from site_client.shards import Piece, load_pieces, local_pieces, write_update
 from site_client.streaming import StreamingRounds
 from site_client.tasks import unit_index, unit_name
 from site_client.timings import record
+from site_client.trainer_nodes import SiteNodes
 from site_client.trainer_round import Round, RoundHooks, RoundSpec
 from wire.fragments import streaming_from_job
 from wire.health import health_from_job
@@ -152,14 +154,24 @@ class SiteSession:
             _init_process_group(backend, self.restart_count)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.checkpoint_every = checkpoint_every
-        # Every rank says hello (to read the job config); only rank 0 drives the rounds, and
-        # its checkpoint thread tells the agent when a task's end is on disk.
+        # Every rank says hello (to read the job config); only the driver (rank 0 on one host)
+        # drives the rounds, and its checkpoint thread tells the agent when a task's end is on
+        # disk. On a site of several hosts each node's leader also speaks to its own agent.
         channel = IpcClient(socket_path)
         hello = channel.call("hello", attempt=self.restart_count)
-        self.ipc = channel if self.rank == 0 else None
-        self._done_ipc = IpcClient(socket_path) if self.rank == 0 else None
-        if self.ipc is None:
+        self.nodes = SiteNodes(hello, self.rank, self.world_size)
+        self.is_driver = self.nodes.is_driver
+        self.ipc = channel if self.is_driver else None
+        self._done_ipc = IpcClient(socket_path) if self.is_driver else None
+        leads = self.nodes.multi and self.nodes.is_leader and not self.is_driver
+        self.node_ipc = channel if leads else None  # node k > 0's leader: its own agent
+        if self.ipc is None and self.node_ipc is None:
             channel.close()
+        if self.nodes.multi:
+            hello = self.nodes.shared_hello(hello)
+            if self.node_ipc is not None:
+                self.node_ipc.call("configure", job_config=hello["job_config"])
+        self._task: dict = {}  # a multi-node site: the driver's task, for the other nodes
         self.site = hello["site"]
         # This site's place among the participants of the latest round (rnd.site_index and
         # rnd.num_sites are those of each round): no need to pass them to the script.
@@ -167,7 +179,7 @@ class SiteSession:
         self.run_dir = Path(hello["run_dir"])
         self.shm_dir = Path(hello["shm_dir"])
         self.job_config: dict = tomllib.loads(hello["job_config"]) if hello["job_config"] else {}
-        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.ckpt_dir = Path(hello.get("checkpoint_dir") or self.run_dir / "checkpoints")
         self.ckpt_place = _checkpoint_place(hello, self.ckpt_dir, self.site)
         pid_dir = self.run_dir / "trainers"
         pid_dir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +196,7 @@ class SiteSession:
             self.rank,
             self.world_size,
             self._probe_fault_s,
-            lambda result: self.ipc.call("health", **result.as_report()),
+            lambda result: self.ipc and self.ipc.call("health", **result.as_report()),
         )
 
     # ---- the round loop -------------------------------------------------------------------
@@ -259,7 +271,7 @@ class SiteSession:
         )
 
     def _record(self, kind: str, **fields) -> None:
-        if self.rank == 0:
+        if self.is_driver:
             record(self.run_dir / "trainer_timings.jsonl", kind, **fields)
 
     def _checkpoint(self, model, optimizer, rnd: Round, step: int, task_end: bool = False):
@@ -280,7 +292,7 @@ class SiteSession:
             if task_end:
                 self._done_ipc.call("checkpointed", **task)
 
-        on_done = written if self.rank == 0 else None
+        on_done = written if self.is_driver else None
         path = self.ckpt_place.target(seq)
         started = time.monotonic()
         self.checkpointer.save(path, model, optimizer, extra, on_done=on_done)
@@ -309,10 +321,10 @@ class SiteSession:
         while True:
             reply = self.ipc.call("wait_round") if self.ipc else {}
             flag = torch.tensor([1 if reply.get("ready") else 0], dtype=torch.int64)
-            dist.broadcast(flag, src=0)
+            dist.broadcast(flag, src=self.nodes.driver)
             if flag.item():
                 break
-        unit = unit_index(reply.get("data_unit", "")) if self.rank == 0 else None
+        unit = unit_index(reply.get("data_unit", "")) if self.is_driver else None
         fields = torch.tensor(
             [
                 reply.get("round", 0),
@@ -327,11 +339,13 @@ class SiteSession:
             ],
             dtype=torch.int64,
         )
-        dist.broadcast(fields, src=0)
+        dist.broadcast(fields, src=self.nodes.driver)
         r, v, h, total, finished, unit, index, sites, drained = (int(x) for x in fields.tolist())
         if drained:
             self._leave_drained()
         path = self._agree_on(reply.get("theta_path", ""))
+        if self.nodes.multi:
+            path = self._theta_on_this_node(path, reply)
         if not finished:  # the final theta is no round of this site's
             self.site_index, self.num_sites = index, sites
             self.prober.before(r)
@@ -340,7 +354,7 @@ class SiteSession:
     def _leave_drained(self) -> None:
         """The site is drained and nothing more is asked of its trainers: finish the
         checkpoint being written (the agent's last push waits for it) and leave, every rank."""
-        if self.rank == 0:
+        if self.is_driver:
             print(f"[{self.site}] drained by the coordinator: trainers leave", file=sys.stderr)
         self.close()
         raise SiteDrained("drained")
@@ -354,14 +368,14 @@ class SiteSession:
     def _agree_on(self, text: str) -> str:
         """Rank 0's ``text`` on every rank (the theta file's path; no pickle)."""
         raw = torch.zeros(4096, dtype=torch.uint8)
-        if self.rank == 0:
+        if self.is_driver:
             data = text.encode()[:4096]
             raw[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-        dist.broadcast(raw, src=0)
+        dist.broadcast(raw, src=self.nodes.driver)
         return bytes(raw.tolist()).rstrip(b"\0").decode()
 
     def _timing(self, kind: str, started: float, **fields) -> None:
-        if self.rank == 0:
+        if self.is_driver:
             seconds = time.monotonic() - started
             record(self.run_dir / "trainer_timings.jsonl", kind, s=seconds, **fields)
 
@@ -393,20 +407,53 @@ class SiteSession:
         mine = self.shm_dir / f"{stem}-rank{self.rank}.safetensors"
         write_update(pieces, theta, mine, names)
         dist.barrier()
-        if self.rank == 0:
-            paths = [
-                str(self.shm_dir / f"{stem}-rank{k}.safetensors") for k in range(self.world_size)
-            ]
-            self.ipc.call(
-                "submit",
-                round=spec.round,
-                data_unit=spec.data_unit,
-                paths=paths,
-                weight=weight,
-                durable=durable,
-            )
+        ranks = self.nodes.ranks_here()
+        paths = [str(self.shm_dir / f"{stem}-rank{k}.safetensors") for k in ranks]
+        task = {"round": spec.round, "data_unit": spec.data_unit, "weight": weight}
+        if self.nodes.multi:
+            self._submit_parts(paths, task, spec.version, durable)
+        elif self.is_driver:
+            self.ipc.call("submit", paths=paths, durable=durable, **task)
         dist.barrier()
         self._timing("handoff", started, round=spec.round)
+
+    # ---- a site of several hosts (``site_client.trainer_nodes``) ---------------------------
+
+    def _theta_on_this_node(self, driver_path: str, reply: dict) -> str:
+        """The task's theta in this node's shared memory; node k's agent fetches its own."""
+        keys = ("version", "theta_hash", "lease")
+        self._task = json.loads(
+            self.nodes.broadcast_text(json.dumps({k: reply.get(k) for k in keys}))
+        )
+        return self.nodes.theta_here(
+            driver_path, self._task, lambda task: self.node_ipc.call("fetch", **task)["theta_path"]
+        )
+
+    def _submit_parts(self, paths: list[str], task: dict, version: int, durable: bool) -> None:
+        """Each node's agent encodes its own ranks' files; every node learns every part;
+        node 0's agent queues the update (it completes it), the others push their parts."""
+        where = {"round": task["round"], "data_unit": task["data_unit"]}
+        part = ""
+        if self.nodes.is_leader:
+            agent = self.ipc or self.node_ipc
+            part = json.dumps(agent.call("encode", paths=paths, **where)["part"])
+        layout = [json.loads(t) for t in self.nodes.gather_texts(part) if t]
+        upload_id = self.nodes.upload_id(task["round"])
+        if self.is_driver:
+            self.ipc.call(
+                "submit", paths=paths, durable=durable, layout=layout, upload_id=upload_id, **task
+            )
+        elif self.node_ipc is not None:
+            self.node_ipc.call(
+                "push_part",
+                layout=layout,
+                upload_id=upload_id,
+                base_version=version,
+                lease=self._task["lease"],
+                **task,
+            )
+            for path in paths:  # encoded into the part the agent holds
+                Path(path).unlink(missing_ok=True)
 
     def _cancel_requested(self, rnd: Round, step: int) -> bool:
         """Report progress; whether the agent says stop, agreed on by every rank."""
@@ -416,7 +463,7 @@ class SiteSession:
         # Rank 0 alone hears the agent; every rank must leave the loop at the same step, or
         # the ones that go on would wait forever in their next collective.
         flag = torch.tensor([1 if cancel else 0], dtype=torch.int64)
-        dist.broadcast(flag, src=0)
+        dist.broadcast(flag, src=self.nodes.driver)
         return bool(flag.item())
 
     def _progress(self, rnd: Round, step: int) -> dict:

@@ -39,12 +39,15 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from site_client.agent_state import AgentConfig, AgentState
 from site_client.local_ipc import Handler
+from site_client.node_encoding import PartEncoder, lease_json, site_part
 from site_client.tasks import Task, task_of
 from wire.health import Probe
+from wire.proto import isthmus_pb2 as pb
 
 log = logging.getLogger("isthmus.site")
 
@@ -58,6 +61,10 @@ class TrainerChannel:
         self.streaming = False  # the job has a [streaming] table (set on join)
         self._warned_steps = False
         self._attempt = -1  # the trainers' latest launcher attempt (restart count) seen
+        # A multi-node site (set on join): this node's parts, and the lease passed to the
+        # other nodes with each task (``site_client.node_agent``).
+        self.encoder: PartEncoder | None = None
+        self.lease: Callable[[], pb.Lease | None] = lambda: None
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -68,6 +75,7 @@ class TrainerChannel:
             "checkpointed": self.checkpointed,
             "metrics": self.metrics,
             "health": self.health,
+            "encode": self.encode,
         }
 
     def hello(self, req: dict) -> dict:
@@ -90,6 +98,9 @@ class TrainerChannel:
             "shm_dir": str(self.cfg.shm_dir),
             "job_config": self.job_config,
             "checkpoint_url": self.cfg.checkpoint_url,
+            "checkpoint_dir": self.cfg.checkpoint_dir,
+            "node": self.cfg.node,
+            "nodes": self.cfg.nodes,
         }
 
     def offer(self) -> dict | None:
@@ -148,6 +159,8 @@ class TrainerChannel:
             if not offer["finished"]:
                 s.book.issue(Task(offer["round"], offer["data_unit"]), offer["version"])
                 s.compute.task_taken(time.monotonic())
+            if self.cfg.nodes > 1 and (lease := self.lease()) is not None:
+                offer["lease"] = lease_json(lease)  # for the other nodes' agents
             return {"ready": True, **offer}
 
     def _drained_out(self) -> bool:
@@ -201,11 +214,24 @@ class TrainerChannel:
             s.progress.phase = "training"
             return {"cancel": True} if s.book.is_cancelled(task) else {}
 
+    def encode(self, req: dict) -> dict:
+        """A multi-node site: this node's part of an update (``site_client.node_encoding``)."""
+        if self.encoder is None:
+            raise ValueError("encode: this agent has not joined the job yet")
+        return self.encoder.encode(req)
+
     def submit(self, req: dict) -> dict:
         task, s = _task(req), self.state
         paths = [str(p) for p in req.get("paths") or [req["path"]]]
+        placed = None
+        if req.get("layout") is not None:  # a multi-node site: node 0's part, encoded before
+            placed = site_part(self.encoder.take(task), req["layout"], 0)
         with s.cond:
             outcome = s.book.submit(task, paths, float(req.get("weight", 1.0)))
+            if outcome == "accepted" and placed is not None:
+                upload = s.book.pending[task]
+                upload.payload, upload.part = placed
+                upload.upload_id = str(req["upload_id"])
             s.compute.task_handed_over(time.monotonic())
             if outcome != "accepted":
                 for path in paths:

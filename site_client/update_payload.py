@@ -34,6 +34,9 @@ class UpdatePayload:
     manifest: Manifest
     segments: list[tuple[int, memoryview]]
     keep: list[object]  # what the segments view (mapped files), kept alive
+    # SHA-256 of the payload and the zeros after it up to the next ALIGN boundary: its digest
+    # as one part, not the last, of a multi-node site's payload (``site_client.node_parts``).
+    padded_sha256: bytes = b""
 
     @property
     def total_bytes(self) -> int:
@@ -125,7 +128,16 @@ def build_payload(
         segments.append((offset, data))
         offset = -(-(offset + len(data)) // ALIGN) * ALIGN
     total = _end(entries)
-    return UpdatePayload(Manifest(tuple(entries), total, hasher.digest()), segments, files)
+    digest = hasher.digest()
+    hasher.update(_ZEROS[: -total % ALIGN])
+    manifest = Manifest(tuple(entries), total, digest)
+    return UpdatePayload(manifest, segments, files, hasher.digest())
+
+
+def placed(payload: UpdatePayload, offset: int, manifest: Manifest) -> UpdatePayload:
+    """``payload`` as the part at ``offset`` of a larger payload described by ``manifest``."""
+    segments = [(offset + start, seg) for start, seg in payload.segments]
+    return UpdatePayload(manifest, segments, payload.keep, payload.padded_sha256)
 
 
 def payload_of(manifest: Manifest, payload: memoryview) -> UpdatePayload:

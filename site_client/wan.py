@@ -223,6 +223,8 @@ class WanWorker:
         resend = job.payload is not None
         if not resend:
             job.payload = build_payload(job.paths, self.compression, self.codec_state)
+        # A multi-node site: this host's part, under the id every node pushes its part with.
+        parts = {"upload_id": job.upload_id, "part": job.part} if job.part is not None else {}
         try:
             reply = self.client.push(
                 job.task.round,
@@ -232,6 +234,7 @@ class WanWorker:
                 data_unit=job.task.unit,
                 abort=lambda: job.aborted,
                 hold=job.durable,
+                **parts,
             )
             return reply.message, True
         except PushAborted:

@@ -1,0 +1,209 @@
+"""The agent of node k > 0 of a multi-node site: its own host's WAN transfers, no lease.
+
+A site that spans hosts runs ``siteclient start --nnodes N --node-rank k ...`` on each. Node
+0's agent is the site's member of the job (``site_client.agent``): it joins, holds the lease,
+hears the rounds and completes the site's update. The agent of every other node never joins:
+its trainers pass it what node 0's agent said (the lease, the task, the layout of the update)
+over their own process group, and it does for its host only what needs the WAN:
+
+``hello`` (``attempt``) -> as node 0's agent answers, with ``node``; ``job_config`` is empty
+    until ``configure``.
+``configure`` (``job_config``) -> ``{}``; the job's config as node 0 received it (the
+    ``[compression]`` and ``[transfer]`` rules).
+``fetch`` (``version``, ``theta_hash``, ``lease``) -> ``{"theta_path": ...}`` once that theta
+    is in this host's shared memory, verified against its hash.
+``encode`` (``round``, ``data_unit``, ``paths``) -> ``{"part": ...}``: this host's trainers'
+    shard files encoded as this node's part (``site_client.node_parts``).
+``push_part`` (``round``, ``data_unit``, ``layout``, ``upload_id``, ``weight``,
+    ``base_version``, ``lease``) -> ``{}`` at once; the part goes up in the background
+    (``site_client.node_push``). A part that cannot be sent fails the agent, and the next
+    request of the trainers says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from site_client.agent_state import AgentConfig
+from site_client.compression import compression_of
+from site_client.coordinator_client import CoordinatorClient
+from site_client.errors import CoordinatorError
+from site_client.local_ipc import Handler, IpcServer
+from site_client.node_encoding import PartEncoder, lease_of, site_part
+from site_client.scratch import claim, reclaim_abandoned
+from site_client.tasks import Task
+from site_client.theta_fetch import GlobalState
+from site_client.timings import record
+from site_client.wan import TIMINGS
+from wire.backoff import DeadlineExceeded
+from wire.codecs import CodecState
+from wire.transfer import transfer_from_toml
+
+log = logging.getLogger("isthmus.site")
+# None: fenced, and no newer lease passed on (``CoordinatorClient(joins=False)``).
+NOT_WANTED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS, None)
+
+
+class NodeAgent:
+    """Node ``node`` (> 0) of a site: fetches theta for its host, pushes its host's part."""
+
+    def __init__(self, cfg: AgentConfig, client: CoordinatorClient, node: int) -> None:
+        self.cfg, self.client, self.node = cfg, client, node
+        self.encoder = PartEncoder(node, None, CodecState())
+        self.job_config = ""
+        self.error: str | None = None
+        self.held: GlobalState | None = None
+        self._fetch_lock = threading.Lock()
+        self._pushes: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._cond = threading.Condition()
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        reclaim_abandoned(cfg.shm_dir.parent, cfg.site, keep=cfg.shm_dir)
+        self._owner = claim(cfg.shm_dir)
+        self.ipc = IpcServer(cfg.shm_dir / "agent.sock", self.handlers())
+        self._worker = threading.Thread(target=self._push_loop, name="node-push", daemon=True)
+
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "hello": self.hello,
+            "configure": self.configure,
+            "fetch": self.fetch,
+            "encode": self._checked(self.encoder.encode),
+            "push_part": self._checked(self.push_part),
+        }
+
+    def start(self) -> None:
+        self.ipc.start()
+        self._worker.start()
+        log.info(
+            "[%s] node %d: agent ready (node 0 holds the site's lease)", self.cfg.site, self.node
+        )
+
+    def stop(self) -> None:
+        self._pushes.put(None)
+        self._worker.join(timeout=5)
+        self.ipc.close()
+        shutil.rmtree(self.cfg.shm_dir, ignore_errors=True)
+        self._owner.close()
+
+    def finish_pushes(self, timeout_s: float) -> bool:
+        """Wait until every part handed over is pushed (or failed); False after ``timeout_s``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.error or not self._pending, timeout_s)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def _checked(self, handler: Handler) -> Handler:
+        def run(req: dict) -> dict:
+            if self.error:
+                raise RuntimeError(self.error)
+            return handler(req)
+
+        return run
+
+    def hello(self, req: dict) -> dict:
+        return {
+            "site": self.cfg.site,
+            "node": self.node,
+            "nodes": self.cfg.nodes,
+            "run_dir": str(self.cfg.run_dir),
+            "shm_dir": str(self.cfg.shm_dir),
+            "job_config": self.job_config,
+            "checkpoint_url": self.cfg.checkpoint_url,
+            "checkpoint_dir": self.cfg.checkpoint_dir,
+        }
+
+    def configure(self, req: dict) -> dict:
+        self.job_config = str(req["job_config"])
+        self.encoder.compression = compression_of(self.job_config)
+        self.client.transfer = transfer_from_toml(self.job_config.encode())
+        return {}
+
+    def fetch(self, req: dict) -> dict:
+        """theta ``version`` into this host's shared memory (whole, or as the delta from the
+        one held), checked against ``theta_hash``."""
+        version, want = int(req["version"]), str(req["theta_hash"])
+        with self._fetch_lock:
+            held = self.held
+            if held is not None and held.version == version and held.theta_hash.hex() == want:
+                return {"theta_path": str(held.path)}
+            self.client.lease = lease_of(req["lease"])
+            dest = self.cfg.shm_dir / f"theta-v{version}-{want[:12]}.safetensors"
+            got = self.client.fetch(version, held=held, dest=dest)
+            if got.theta_hash.hex() != want:
+                raise CoordinatorError(None, f"theta_{version} is not the one node 0 was given")
+            if held is not None and held.path is not None and held.path != got.path:
+                Path(held.path).unlink(missing_ok=True)  # trainers keep their mapping
+            self.held = got
+        log.info("[%s] node %d: theta_%d (%s)", self.cfg.site, self.node, version, want[:12])
+        return {"theta_path": str(got.path)}
+
+    def push_part(self, req: dict) -> dict:
+        task = Task(int(req["round"]), str(req.get("data_unit", "")))
+        payload, part = site_part(self.encoder.take(task), req["layout"], self.node)
+        with self._cond:
+            self._pending += 1
+        self._pushes.put((task, payload, part, req))
+        return {}
+
+    # ---- the push thread ------------------------------------------------------------------
+
+    def _push_loop(self) -> None:
+        while (item := self._pushes.get()) is not None:
+            task, payload, part, req = item
+            sent, started = self.client.bytes_sent, time.monotonic()
+            try:
+                self.client.lease = lease_of(req["lease"])
+                self.client.push(
+                    task.round,
+                    payload,
+                    weight=float(req["weight"]),
+                    base_version=int(req["base_version"]),
+                    upload_id=str(req["upload_id"]),
+                    data_unit=task.unit,
+                    part=part,
+                )
+                seconds, sent = time.monotonic() - started, self.client.bytes_sent - sent
+                record(
+                    self.cfg.run_dir / TIMINGS,
+                    "push",
+                    round=task.round,
+                    s=seconds,
+                    bytes=sent,
+                    part=part.length,
+                )
+                log.info(
+                    "[%s] node %d: round %d: pushed its part, %.2f MB in %.2fs",
+                    self.cfg.site,
+                    self.node,
+                    task.round,
+                    sent / 1e6,
+                    seconds,
+                )
+            except (CoordinatorError, DeadlineExceeded, OSError) as exc:
+                self._failed(task, exc)
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    def _failed(self, task: Task, exc: BaseException) -> None:
+        site, node = self.cfg.site, self.node
+        if exc_is_fenced(exc):
+            log.warning("[%s] node %d: round %d's part not taken: %s", site, node, task.round, exc)
+            return
+        self.error = f"node {node}: pushing round {task.round}'s part failed: {exc}"
+        log.error("[%s] %s", site, self.error)
+
+
+def exc_is_fenced(exc: BaseException) -> bool:
+    """A refusal that only says the part is no longer wanted (its round closed, another copy
+    of its unit won, the lease it was sent under was fenced): the site goes on."""
+    return isinstance(exc, CoordinatorError) and exc.code in NOT_WANTED
