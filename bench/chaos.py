@@ -97,11 +97,17 @@ def run_all(chosen: list[Scenario], root: Path) -> tuple[list[Result], Skipped |
                     servers = stack.enter_context(standby_servers(root / "servers"))
                 except Exception as exc:  # every standby row needs them: skip the rest
                     rest = tuple(s.name for s in chosen if s.standby is not None)
-                    reason = f"etcd or SeaweedFS did not start: {str(exc).splitlines()[0]}"
+                    reason = f"etcd or SeaweedFS did not start: {gist(exc)}"
                     print(f"    {reason}", flush=True)
                     return results, Skipped(rest, reason, failed=True)
             results.append(run_one(scenario, root, servers))
     return results, None
+
+
+def gist(exc: Exception) -> str:
+    """An error in one line: its first and, for a log tail, its last."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
 
 
 def summary(results: list[Result]) -> str:
