@@ -4,17 +4,21 @@
 wheel puts it in the environment's ``bin``), else on ``PATH``; ``SeaweedS3`` starts one server
 on loopback with every port it opens chosen free, an ``s3.json`` holding one access key, and
 one bucket, waits until S3 answers, and stops it with SIGTERM (SIGKILL after a few seconds:
-its data is a test's, thrown away).
+its data is a test's, thrown away). ``environ()`` makes it this process's only AWS settings
+for a while, for the processes it starts as well.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from server_process import log_tail, stop_process
@@ -106,6 +110,21 @@ class SeaweedS3:
             "AWS_ENDPOINT_URL": self.endpoint,
             "AWS_REGION": "us-east-1",
         }
+
+    @contextlib.contextmanager
+    def environ(self) -> Iterator[None]:
+        """In the block, ``env()`` is the only AWS setting of ``os.environ`` (every other one
+        of ``AWS_VARS`` unset); on leaving, the variables are as they were."""
+        saved = {name: os.environ.pop(name, None) for name in {*AWS_VARS, *self.env()}}
+        os.environ.update(self.env())
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     def client(self):
         import boto3

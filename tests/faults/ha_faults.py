@@ -4,6 +4,10 @@ while it uploads a checkpoint (data in the store, no manifest yet). The
 standby is elected when the leader's etcd lease lapses, loads the newest committed checkpoint
 from the object store and opens round 1 again; the sites find it by themselves, and a site
 whose update the dead leader had counted sends it again (that leader's spool went with it).
+
+Once the job ended, ``check_takeover`` adds what a takeover must also show: the standby said it
+was elected, and the killed leader, restarted as an operator would, is elected in turn (the
+other resigned at the job's end), finds the job complete in the store and exits 0.
 """
 
 from __future__ import annotations
@@ -11,12 +15,40 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+from dataclasses import dataclass
+
+from coord_harness import CoordinatorProcess
 
 from coordinator import s3_layout
 from coordinator.s3_objects import list_keys
 from faults.ha_cluster import HaCluster
+from faults.record import RunRecord
 
 ROUND = 1
+RESTART_S = 30.0  # a restarted coordinator that finds the job complete exits within this
+
+
+@dataclass(frozen=True)
+class StandbyRun:
+    """What a standby scenario's checks look at once its job ended (the cluster still up).
+
+    Attributes
+    ----------
+    first
+        The coordinator that led when the fault was injected.
+    seen
+        What the scenario's drive function returned.
+    """
+
+    cluster: HaCluster
+    first: CoordinatorProcess
+    seen: object
+    record: RunRecord
+
+    @property
+    def others(self) -> list[CoordinatorProcess]:
+        return [c for c in self.cluster.coordinators if c is not self.first]
 
 
 def kill_leader_while_round_open(c: HaCluster) -> None:
@@ -61,3 +93,24 @@ def signal_site(site, sig: int) -> None:
     """Send ``sig`` to a site's whole process group (its agent and trainers)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(site.proc.pid, sig)
+
+
+def check_takeover(run: StandbyRun) -> list[str]:
+    """The standby led after the kill; the killed leader, started again, exits 0 at once."""
+    problems = [
+        f"coordinator {c.address} never logged 'elected leader'"
+        for c in run.others
+        if "elected leader" not in c.log_tail(2000)
+    ]
+    run.first.start()
+    try:
+        code = run.first.wait(timeout=RESTART_S)
+    except subprocess.TimeoutExpired:
+        run.first.kill()
+        return [*problems, f"the restarted leader {run.first.address} did not exit"]
+    if code != 0 or "is complete" not in run.first.log_tail(5):
+        problems.append(
+            f"the restarted leader exited {code}, not 0 finding the job complete:\n"
+            + run.first.log_tail(20)
+        )
+    return problems

@@ -12,6 +12,10 @@ from etcd while the sites still reach it, and the object store out of reach for 
   drops everything for 30 s, while round 1 is open or while a checkpoint is being uploaded.
   The leader keeps its etcd lease, so nobody takes over; rounds close from the fsynced spool
   and are published, and the checkpoint writes wait for the store to come back.
+
+Once the job ended, ``check_etcd_cut`` and ``check_store_outage`` add what each fault must also
+show (the two coordinators never served at once; one writer, every reported checkpoint
+committed, the committed rounds without a hole).
 """
 
 from __future__ import annotations
@@ -20,15 +24,16 @@ import signal
 import time
 from dataclasses import dataclass
 
+from coordinator.server import DEPOSED_EXIT
 from faults.ha_cluster import TTL_S, HaCluster
-from faults.ha_faults import checkpoint_uploading, signal_site
+from faults.ha_faults import StandbyRun, checkpoint_uploading, signal_site
 
 ROUND = 1
 ETCD_CUT_S = 10.0
 STORE_CUT_S = 30.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Cutoff:
     """What was seen of the leader cut off from etcd, in seconds from the cut."""
 
@@ -79,3 +84,49 @@ def _cut_store(c: HaCluster) -> None:
     c.store_relay.cut(STORE_CUT_S)
     c.wait_for(lambda: not c.store_relay.is_cut, STORE_CUT_S + 10, "the store to come back")
     c.fault_at = time.time()  # recovery counts from the store's return
+
+
+def check_etcd_cut(run: StandbyRun) -> list[str]:
+    """The cut-off leader stopped within its lease and before the other led (so the two never
+    served at once), exited ``DEPOSED_EXIT`` once, and the other was elected."""
+    seen, c = run.seen, run.cluster
+    problems = []
+    # Renewals go every TTL/3: stopping later than the TTL, it may have served while etcd
+    # could already elect the other.
+    if not seen.stopped_s < TTL_S:
+        problems.append(
+            f"the cut-off leader stopped {seen.stopped_s:.1f}s after the cut (TTL {TTL_S}s)"
+        )
+    if not seen.stopped_s < seen.other_leads_s:
+        problems.append(f"two leaders served at once: {seen}")
+    if [(a, code) for a, code, _ in c.exits] != [(run.first.address, DEPOSED_EXIT)]:
+        problems.append(f"expected one exit {DEPOSED_EXIT} of {run.first.address}, got {c.exits}")
+    if "stepping down" not in run.first.log_tail(4000):
+        problems.append(f"{run.first.address} never logged 'stepping down'")
+    problems += [
+        f"{o.address} never logged 'elected leader'"
+        for o in run.others
+        if "elected leader" not in o.log_tail(4000)
+    ]
+    return problems
+
+
+def check_store_outage(run: StandbyRun) -> list[str]:
+    """The leader kept its lease (nobody stepped down) and one start committed every round;
+    round 2's checkpoint met the outage and was retried; every checkpoint the coordinator
+    reported written is committed in the store, and the committed rounds have no hole."""
+    c, total = run.cluster, run.cluster.spec.coordinator_rounds
+    manifests = c.watcher.manifests
+    writers = {epoch for attempts in manifests.values() for epoch in attempts.values()}
+    problems = [f"a coordinator exited meanwhile: {c.exits}"] if c.exits else []
+    if len(writers) != 1:
+        problems.append(f"{len(writers)} starts wrote manifests: {manifests}")
+    if f"did not answer while round {ROUND + 1}'s checkpoint" not in run.first.log_tail(4000):
+        problems.append(f"round {ROUND + 1}'s checkpoint never waited for the store")
+    committed = sorted(manifests)
+    reported = {e["round"] for e in run.record.events if e["kind"] == "checkpoint_written"}
+    if not reported <= set(committed):
+        problems.append(f"reported but never committed: {sorted(reported - set(committed))}")
+    if not committed or committed != list(range(committed[0], total + 1)):
+        problems.append(f"committed rounds {committed} are not a run up to round {total}")
+    return problems

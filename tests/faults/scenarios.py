@@ -1,6 +1,9 @@
-"""The fault matrix: each scenario is a job spec plus a ``drive`` function that injects its
-fault into a running ``Cluster``; ``run_scenario`` runs one and judges it against the
-invariants (and, for deterministic ones, against the crash-free run of the same spec).
+"""The fault matrix: each scenario (``faults.scenario.Scenario``) is a job spec plus a
+``drive`` function that injects its fault into a running job. ``SINGLE`` run on one
+coordinator (``Cluster``); the standby rows (``faults.ha_scenarios.STANDBY``) on two, one
+leading, and need a real etcd and SeaweedFS (``Servers``). ``SCENARIOS`` is the whole matrix;
+``run_scenario`` runs one on its harness and judges it against the invariants (and, for
+deterministic ones, against the crash-free run of the same spec, ``reference_hash``).
 
 Used by the tests in this folder and by ``python -m bench.chaos``.
 """
@@ -8,52 +11,18 @@ Used by the tests in this folder and by ``python -m bench.chaos``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from faults import coordinator_faults as coord
 from faults import link_faults as link
 from faults import site_faults as site
 from faults import streaming_faults as streaming
-from faults.cluster import Cluster, JobSpec, RunRecord
-from faults.invariants import Verdict, judge
+from faults.cluster import Cluster, JobSpec
+from faults.ha_scenarios import STANDBY, Servers, run_standby
+from faults.invariants import judge
+from faults.scenario import Result, Scenario, judged
 
-
-@dataclass(frozen=True)
-class Scenario:
-    """A fault and the job it hits.
-
-    Attributes
-    ----------
-    deterministic
-        The fault must not change the model: the final theta equals the crash-free run's and
-        every round counts every site.
-    slow
-        Left out of the quick test run (``pytest -m 'not slow'``).
-    round_after_fault
-        Whether a round must close after the fault (not so when the job ends during a cut).
-    """
-
-    name: str
-    drive: Callable[[Cluster], None]
-    spec: JobSpec = field(default_factory=JobSpec)
-    deterministic: bool = True
-    slow: bool = True
-    faults_env: str = ""
-    round_after_fault: bool = True
-
-
-@dataclass
-class Result:
-    scenario: Scenario
-    record: RunRecord
-    verdict: Verdict
-    seconds: float
-    error: str | None = None  # the drive function's own failure (a missed window, ...)
-
-
-SCENARIOS: list[Scenario] = [
+SINGLE: list[Scenario] = [
     Scenario("site killed while fetching", site.kill_while_fetching),
     Scenario("site killed while training", site.kill_while_training),
     Scenario("site killed while pushing", site.kill_while_pushing),
@@ -130,12 +99,18 @@ SCENARIOS: list[Scenario] = [
     ),
 ]
 
+SCENARIOS: list[Scenario] = SINGLE + STANDBY
 _references: dict[tuple, str] = {}
 
 
 def by_name(name: str) -> Scenario:
     (found,) = [s for s in SCENARIOS if s.name == name]
     return found
+
+
+def scenario_id(s: Scenario) -> str:
+    """The scenario's name as a test id."""
+    return s.name.replace(" ", "-")
 
 
 def reference_hash(spec: JobSpec, folder: Path) -> str:
@@ -152,8 +127,23 @@ def reference_hash(spec: JobSpec, folder: Path) -> str:
     return _references[key]
 
 
-def run_scenario(scenario: Scenario, folder: Path, reference: str | None = None) -> Result:
-    """Run ``scenario`` in ``folder``; ``reference`` is the crash-free final theta hash."""
+def run_scenario(
+    scenario: Scenario,
+    folder: Path,
+    reference: str | None = None,
+    servers: Servers | None = None,
+) -> Result:
+    """Run ``scenario`` in ``folder`` on its harness; ``reference`` is the crash-free final
+    theta hash, ``servers`` the etcd and SeaweedFS a standby scenario runs on."""
+    if scenario.standby is None:
+        return run_single(scenario, folder, reference)
+    if servers is None:
+        raise ValueError(f"{scenario.name!r} runs on standby coordinators: it needs Servers")
+    return run_standby(scenario, folder, reference, servers)
+
+
+def run_single(scenario: Scenario, folder: Path, reference: str | None = None) -> Result:
+    """Run a one-coordinator ``scenario`` in ``folder`` and judge it."""
     started = time.monotonic()
     error = None
     with Cluster(folder, scenario.spec, scenario.faults_env) as c:
@@ -164,14 +154,4 @@ def run_scenario(scenario: Scenario, folder: Path, reference: str | None = None)
             error = f"{type(exc).__name__}: {exc}"
         record = c.finish()
         tails = c.tails()
-    if error:
-        record.problems.append(f"fault injection: {error}")
-    sites = [f"site-{i}" for i in range(scenario.spec.sites)]
-    verdict = judge(
-        record,
-        reference_hash=reference if scenario.deterministic else None,
-        all_sites=sites if scenario.deterministic else None,
-    )
-    if not verdict.survived:
-        verdict.problems.append(f"logs:\n{tails}")
-    return Result(scenario, record, verdict, time.monotonic() - started, error)
+    return judged(scenario, record, reference, time.monotonic() - started, error, tails)
