@@ -151,6 +151,10 @@ class ReceivedRanges:
     def covers(self, total: int) -> bool:
         return total == 0 or self.spans == [(0, total)]
 
+    def covered_in(self, start: int, end: int) -> int:
+        """How many of the bytes ``[start, end)`` are in."""
+        return sum(max(0, min(e, end) - max(s, start)) for s, e in self.spans)
+
     def resume_at(self, piece: Piece) -> int:
         """Where a stream carrying ``piece`` goes on: the end of the received run from its
         start, within it."""
