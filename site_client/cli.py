@@ -271,6 +271,10 @@ def _start_node(args, launch, cfg, client) -> int:
 
 def _trainer_env(cfg) -> None:
     """What the trainers this process launches read: their agent's socket, the site."""
+    if cfg.nodes > 1:
+        # A fresh store per rendezvous round, so that a replaced host's trainers (restart
+        # count 0) and the others' (count n) meet on keys of the same round only.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.update(
         ISTHMUS_AGENT_SOCKET=str(cfg.shm_dir / "agent.sock"),
         ISTHMUS_RUN_DIR=str(cfg.run_dir),

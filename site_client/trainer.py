@@ -106,11 +106,25 @@ def _init_process_group(backend: str, attempt: int) -> None:
     """
     global _STORE
     store, rank, world_size = next(dist.rendezvous("env://"))
-    _STORE = dist.PrefixStore(f"isthmus/attempt-{attempt}", store)
+    _STORE = dist.PrefixStore(f"isthmus/{_generation(attempt)}", store)
     dist.init_process_group(backend, store=_STORE, rank=rank, world_size=world_size)
 
 
 _STORE: dist.Store | None = None
+
+
+def _generation(attempt: int) -> str:
+    """A name every rank of this worker group gives its keys, and no earlier group's rank.
+
+    On one host the launcher's store lives on across restarts, and the restart count names
+    the attempt. A site of several hosts gets a fresh store for every rendezvous round
+    (``siteclient start`` sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``): nothing stale is in
+    it, and its port is the same on every node, whose restart counts need not agree (a host
+    that was replaced starts at 0).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return f"attempt-{attempt}"
+    return f"store-{os.environ.get('MASTER_PORT', '')}"
 
 
 def _leave_together(world_size: int) -> None:

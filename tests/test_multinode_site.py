@@ -15,10 +15,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from coord_harness import REPO, subprocess_env
+from coord_harness import REPO, subprocess_env, wait_until
 from test_site_e2e import ROUNDS, TRAIN, start_site, start_tls_coordinator, tiny_gpt_job
 
 from wire.identity import issue
@@ -32,22 +33,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_node(tmp: Path, address: str, node: int, rdzv: str, env: dict, nproc: int = 1):
-    """Node ``node`` of site-0 (two hosts, ``nproc`` trainers each), sharing one checkpoint
+def start_node(
+    tmp: Path, address: str, node: int, rdzv: str, env: dict, nproc: int = 1, site: str = "site-0"
+):
+    """Node ``node`` of ``site`` (two hosts, ``nproc`` trainers each), sharing one checkpoint
     folder as hosts of one site share a file system."""
-    pki = tmp / "pki" / "site-0"
+    pki = tmp / "pki" / site
     if not pki.exists():
-        issue(tmp / "ca", "site", "site-0", pki)
-    log = open(tmp / f"site-0-node{node}.log", "w")  # noqa: SIM115 - owned by the child
+        issue(tmp / "ca", "site", site, pki)
+    log = open(tmp / f"{site}-node{node}.log", "a")  # noqa: SIM115 - owned by the child
     cmd = [
         sys.executable, "-m", "site_client.cli", "start",
-        "--coordinator", address, "--site", "site-0",
-        "--run-dir", str(tmp / f"site-0-node{node}"),
-        "--checkpoint-dir", str(tmp / "site-0-checkpoints"),
+        "--coordinator", address, "--site", site,
+        "--run-dir", str(tmp / f"{site}-node{node}"),
+        "--checkpoint-dir", str(tmp / f"{site}-checkpoints"),
         "--tls-dir", str(pki), "--connect-timeout", "30",
         "--nproc-per-node", str(nproc), "--nnodes", "2", "--node-rank", str(node),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", "site-0",
-        "--", str(TRAIN), "--site-index", "0", "--num-sites", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", site,
+        "--", str(TRAIN), "--site-index", site[-1], "--num-sites", "2",
         "--batch-size", "4", "--eval-batches", "2", "--corpus-bytes", str(1 << 20),
     ]  # fmt: skip
     return subprocess.Popen(
@@ -97,3 +100,49 @@ def test_a_site_of_two_hosts_pushes_one_update_in_two_parts(tmp_path):
     for a, b, whole in zip(node0, node1, other, strict=True):
         assert 0 < a["bytes"] < 0.8 * whole["bytes"] and 0 < b["bytes"] < 0.8 * whole["bytes"]
         assert abs(a["bytes"] + b["bytes"] - whole["bytes"]) < 0.1 * whole["bytes"]
+
+
+@pytest.mark.slow
+def test_two_sites_of_two_hosts_survive_a_killed_node_agent(tmp_path):
+    """2 sites x 2 hosts x 2 trainers; kill -9 of site-0's node 1 (its agent and trainers) in
+    round 1, started again as an operator would: node 0's trainers restart with it through
+    the rendezvous, resume from the shared checkpoint, and every round closes with both sites."""
+    coord = start_tls_coordinator(tmp_path, tiny_gpt_job("two-by-two", sites=2))
+    env = subprocess_env()
+    ends = {s: f"127.0.0.1:{free_port()}" for s in ("site-0", "site-1")}
+    procs = {}
+    for site in ends:
+        for k in (0, 1):  # node 0 first: it hosts the rendezvous store
+            procs[site, k] = start_node(tmp_path, coord.address, k, ends[site], env, 2, site)
+            time.sleep(1.0)
+    try:
+        first_close = tmp_path / "state" / "checkpoints" / "round-00000001"
+        wait_until(first_close.exists, timeout=240, interval=0.1, what="round 0 to close")
+        time.sleep(1.0)  # into round 1's steps
+        os.killpg(procs["site-0", 1].pid, signal.SIGKILL)
+        procs["site-0", 1].wait(timeout=30)
+        procs["site-0", 1] = start_node(tmp_path, coord.address, 1, ends["site-0"], env, 2)
+        codes = {key: p.wait(timeout=600) for key, p in procs.items()}
+        tails = {k: _log(tmp_path, *k)[-2500:] for k in procs}
+        assert set(codes.values()) == {0}, f"exit codes {codes}:\n" + "\n".join(tails.values())
+        assert coord.wait(timeout=60) == 0, coord.log_tail()
+    finally:
+        for p in procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        coord.stop()
+    ckpts = tmp_path / "state" / "checkpoints"
+    for r in range(1, ROUNDS + 1):
+        meta = json.loads((ckpts / f"round-{r:08d}" / "meta.json").read_text())
+        assert meta["closed_round"]["sites"] == ["site-0", "site-1"]
+    final = json.loads((ckpts / f"round-{ROUNDS:08d}" / "meta.json").read_text())["theta_sha256"]
+    for site in ends:
+        done = json.loads((tmp_path / f"{site}-node0" / "final.json").read_text())
+        assert done["theta_hash"] == final
+    # Node 0's trainers were restarted by the launcher once the other host's went.
+    rank0 = (tmp_path / "site-0-node0" / "trainers").glob("rank-*.pid")
+    assert any(p.read_text().split()[1] != "0" for p in rank0)
+
+
+def _log(tmp: Path, site: str, node: int) -> str:
+    return (tmp / f"{site}-node{node}.log").read_text()
