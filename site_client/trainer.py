@@ -17,7 +17,10 @@
         # unless rnd.cancelled
     session.report(val_loss=...)                 # the final theta is loaded when rounds() ends
 
-All ranks take part in every call (``rounds``, ``steps``, ``report``, ``close``).
+All ranks take part in every call (``rounds``, ``steps``, ``report``, ``close``). On a site of
+several hosts (``siteclient start --nnodes N``) the same script runs on every host: the lowest
+rank on node 0 drives the rounds, and each host's agent fetches theta for its own trainers and
+pushes their shards (``site_client.trainer_nodes``).
 
 Each item of ``rounds()`` is a *task*: round ``rnd.number`` on data unit ``rnd.data_unit``
 (``""`` in federated mode; ``"u<k>"``, ``rnd.data_unit_index == k``, in shared-data mode,

@@ -3,13 +3,16 @@
 Rank 0 of the site's trainers drives the rounds; every rank says ``hello``.
 
 ``hello`` (``attempt``: the launcher's restart count)
-    -> ``site``, ``run_dir``, ``shm_dir``, ``job_config`` (TOML text), ``checkpoint_url``.
+    -> ``site``, ``run_dir``, ``shm_dir``, ``job_config`` (TOML text), ``checkpoint_url``,
+    ``checkpoint_dir``, ``node`` and ``nodes`` (this host's node rank, and how many hosts the
+    site spans: ``site_client.trainer_nodes``).
 ``wait_round`` (``timeout`` seconds, default the agent's poll)
     -> ``{"ready": false}``, or ``ready`` with the next task not yet done: ``round``,
     ``data_unit`` (``""`` in federated mode), ``site_index`` and ``num_sites`` (this site's place
     among the round's participants), ``version``, ``theta_path``, ``theta_hash``,
     ``inner_steps``, ``total_rounds``, ``finished`` (the job is over: ``theta_path`` is the
     final theta and there is no task). ``theta_path`` is a safetensors file every rank maps.
+    On a site of several hosts it also carries ``lease``, for the other nodes' agents.
 ``progress`` (``round``, ``data_unit``, ``step``, ``loss``)
     -> ``{"cancel": true}`` once that task's unit was committed by another site (stop, do
     not submit), else ``{}``.
@@ -18,6 +21,11 @@ file of whole tensors), ``weight``, ``durable``)
     -> ``{"accepted": true}``, plus ``duplicate`` or ``cancelled`` when the update is not
     wanted (its files are deleted). A task never handed out is an error. ``durable``: the
     task's site checkpoint is already on disk (a trainer that resumed at the task's end).
+    On a site of several hosts also ``layout`` (every node's part) and ``upload_id``: the
+    update is this node's part, encoded by ``encode`` before.
+``encode`` (``round``, ``data_unit``, ``paths``; a site of several hosts)
+    -> ``{"part": ...}``: this node's trainers' shard files encoded as its part
+    (``site_client.node_parts``).
 ``checkpointed`` (``round``, ``data_unit``)
     -> ``{}``; the site checkpoint at the end of that task is complete on disk: its update
     may count now (its push sends its last chunk).

@@ -70,6 +70,21 @@ def siteclient(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
             + ["--", TRAIN],
             "--checkpoint-url s3://b/../x: expected s3://BUCKET[/PREFIX]",
         ),
+        (
+            ["--coordinator", "127.0.0.1:1", "--site", "a", "--insecure", "--nnodes", "2"]
+            + ["--checkpoint-dir", "/tmp", "--", TRAIN],
+            "--nnodes 2: give each host its --node-rank",
+        ),
+        (
+            ["--coordinator", "127.0.0.1:1", "--site", "a", "--insecure", "--nnodes", "2"]
+            + ["--node-rank", "2", "--checkpoint-dir", "/tmp", "--", TRAIN],
+            "--node-rank 2 is not one of 0..1",
+        ),
+        (
+            ["--coordinator", "127.0.0.1:1", "--site", "a", "--insecure", "--nnodes", "1:2"]
+            + ["--node-rank", "1", "--", TRAIN],
+            "give --checkpoint-dir on a file system all of them see, or --checkpoint-url",
+        ),
     ],
 )
 def test_bad_command_line_exits_with_one_line(args, expected):
