@@ -71,21 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--site", required=True, help="this site's name in the job")
     s.add_argument("--run-dir", help="site-local state: checkpoints, metrics (default runs/SITE)")
-    s.add_argument(
-        "--checkpoint-url",
-        default="",
-        metavar="s3://BUCKET[/PREFIX]",
-        help="keep the trainers' checkpoints in S3-compatible storage, under PREFIX/SITE/ "
-        "(endpoint and credentials from the AWS variables); default: RUN_DIR/checkpoints",
-    )
-    s.add_argument(
-        "--checkpoint-dir",
-        default="",
-        metavar="DIR",
-        help="keep the trainers' checkpoints in DIR (default RUN_DIR/checkpoints); a site of "
-        "several hosts (--nnodes) needs one every host sees (a shared file system) or "
-        "--checkpoint-url",
-    )
+    _add_checkpoint_flags(s)
     s.add_argument(
         "--inner-steps",
         type=int,
@@ -117,6 +103,24 @@ def _parser() -> argparse.ArgumentParser:
     add_security_flags(s, "this site")
     env_defaults(s, ENV, os.environ)
     return p
+
+
+def _add_checkpoint_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--checkpoint-url",
+        default="",
+        metavar="s3://BUCKET[/PREFIX]",
+        help="keep the trainers' checkpoints in S3-compatible storage, under PREFIX/SITE/ "
+        "(endpoint and credentials from the AWS variables); default: RUN_DIR/checkpoints",
+    )
+    s.add_argument(
+        "--checkpoint-dir",
+        default="",
+        metavar="DIR",
+        help="keep the trainers' checkpoints in DIR (default RUN_DIR/checkpoints); a site of "
+        "several hosts (--nnodes) needs one every host sees (a shared file system) or "
+        "--checkpoint-url",
+    )
 
 
 def _metrics_address(text: str) -> str:
@@ -174,31 +178,19 @@ def _check_nodes(args, launch, launch_flags: list[str]) -> None:
 
 
 def _start(args, launch_flags: list[str], command: list[str]) -> int:
-    from site_client.agent import AgentConfig, SiteAgent, default_shm_dir
+    from site_client.agent import SiteAgent
     from site_client.coordinator_client import CoordinatorClient, CoordinatorError
-    from site_client.launcher import TrainersFailed, node_count, nproc_per_node, run_trainers
+    from site_client.launcher import TrainersFailed, nproc_per_node, run_trainers
     from wire.backoff import BackoffPolicy, DeadlineExceeded
 
     launch, bundle = _launch_and_bundle(args, launch_flags, command)
-    nodes = node_count(launch)
-    node = launch.node_rank if nodes > 1 else 0
-    default_run = Path("runs") / (args.site if node == 0 else f"{args.site}-node{node}")
-    run_dir = Path(args.run_dir or default_run).absolute()
-    cfg = AgentConfig(
-        args.site,
-        run_dir,
-        default_shm_dir(args.site),
-        args.inner_steps,
-        checkpoint_url=args.checkpoint_url,
-        checkpoint_dir=str(Path(args.checkpoint_dir).absolute()) if args.checkpoint_dir else "",
-        node=node,
-        nodes=nodes,
-    )
+    cfg = _agent_config(args, launch)
+    run_dir, node = cfg.run_dir, cfg.node
     client = CoordinatorClient(
         args.coordinator,
         args.site,
         backoff=BackoffPolicy(initial_s=0.5, cap_s=10.0, deadline_s=args.connect_timeout),
-        world_size=nproc_per_node(launch) * nodes,
+        world_size=nproc_per_node(launch) * cfg.nodes,
         tls=bundle,
         joins=node == 0,
     )
@@ -239,6 +231,26 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         print(f"siteclient: error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _agent_config(args, launch):
+    """The agent's config: this host's node of the site, its folders."""
+    from site_client.agent import AgentConfig, default_shm_dir
+    from site_client.launcher import node_count
+
+    nodes = node_count(launch)
+    node = launch.node_rank if nodes > 1 else 0
+    default_run = Path("runs") / (args.site if node == 0 else f"{args.site}-node{node}")
+    return AgentConfig(
+        args.site,
+        Path(args.run_dir or default_run).absolute(),
+        default_shm_dir(args.site),
+        args.inner_steps,
+        checkpoint_url=args.checkpoint_url,
+        checkpoint_dir=str(Path(args.checkpoint_dir).absolute()) if args.checkpoint_dir else "",
+        node=node,
+        nodes=nodes,
+    )
 
 
 def _start_node(args, launch, cfg, client) -> int:

@@ -51,7 +51,6 @@ new task starts from theta with the optimiser state the checkpoint holds. They g
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import sys
@@ -361,8 +360,8 @@ class SiteSession:
         if drained:
             self._leave_drained()
         path = self._agree_on(reply.get("theta_path", ""))
-        if self.nodes.multi:
-            path = self._theta_on_this_node(path, reply)
+        if self.nodes.multi:  # this node's own copy, and the task for the other nodes
+            path, self._task = self.nodes.theta_here(path, reply, self.node_ipc)
         if not finished:  # the final theta is no round of this site's
             self.site_index, self.num_sites = index, sites
             self.prober.before(r)
@@ -428,49 +427,12 @@ class SiteSession:
         paths = [str(self.shm_dir / f"{stem}-rank{k}.safetensors") for k in ranks]
         task = {"round": spec.round, "data_unit": spec.data_unit, "weight": weight}
         if self.nodes.multi:
-            self._submit_parts(paths, task, spec.version, durable)
+            agent = self.ipc or self.node_ipc
+            self.nodes.submit_parts(agent, paths, task, spec.version, durable, self._task)
         elif self.is_driver:
             self.ipc.call("submit", paths=paths, durable=durable, **task)
         dist.barrier()
         self._timing("handoff", started, round=spec.round)
-
-    # ---- a site of several hosts (``site_client.trainer_nodes``) ---------------------------
-
-    def _theta_on_this_node(self, driver_path: str, reply: dict) -> str:
-        """The task's theta in this node's shared memory; node k's agent fetches its own."""
-        keys = ("version", "theta_hash", "lease")
-        self._task = json.loads(
-            self.nodes.broadcast_text(json.dumps({k: reply.get(k) for k in keys}))
-        )
-        return self.nodes.theta_here(
-            driver_path, self._task, lambda task: self.node_ipc.call("fetch", **task)["theta_path"]
-        )
-
-    def _submit_parts(self, paths: list[str], task: dict, version: int, durable: bool) -> None:
-        """Each node's agent encodes its own ranks' files; every node learns every part;
-        node 0's agent queues the update (it completes it), the others push their parts."""
-        where = {"round": task["round"], "data_unit": task["data_unit"]}
-        part = ""
-        if self.nodes.is_leader:
-            agent = self.ipc or self.node_ipc
-            part = json.dumps(agent.call("encode", paths=paths, **where)["part"])
-        layout = [json.loads(t) for t in self.nodes.gather_texts(part) if t]
-        upload_id = self.nodes.upload_id(task["round"])
-        if self.is_driver:
-            self.ipc.call(
-                "submit", paths=paths, durable=durable, layout=layout, upload_id=upload_id, **task
-            )
-        elif self.node_ipc is not None:
-            self.node_ipc.call(
-                "push_part",
-                layout=layout,
-                upload_id=upload_id,
-                base_version=version,
-                lease=self._task["lease"],
-                **task,
-            )
-            for path in paths:  # encoded into the part the agent holds
-                Path(path).unlink(missing_ok=True)
 
     def _cancel_requested(self, rnd: Round, step: int) -> bool:
         """Report progress; whether the agent says stop, agreed on by every rank."""

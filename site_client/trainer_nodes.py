@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -101,14 +102,44 @@ class SiteNodes:
         shared = json.loads(self.broadcast_text(json.dumps({k: hello.get(k, "") for k in keys})))
         return {**hello, **shared}
 
-    def theta_here(self, driver_path: str, task: dict, fetch) -> str:
-        """This node's copy of the task's theta: the driver's file on node 0, else the one
-        this node's leader has its agent ``fetch(task)`` (every rank of the node maps it)."""
+    def theta_here(self, driver_path: str, reply: dict, agent) -> tuple[str, dict]:
+        """This node's copy of the task's theta, and the task as the driver had it (version,
+        theta hash, lease). Node 0 maps the driver's file; on node k the leader has its agent
+        ``fetch`` it, and every rank of the node maps that."""
+        keys = ("version", "theta_hash", "lease")
+        task = json.loads(self.broadcast_text(json.dumps({k: reply.get(k) for k in keys})))
         mine = ""
         if self.is_leader:
-            mine = driver_path if self.node == 0 else fetch(task)
-        paths = self.gather_texts(mine)
-        return paths[self.leader]
+            mine = driver_path if self.node == 0 else agent.call("fetch", **task)["theta_path"]
+        return self.gather_texts(mine)[self.leader], task
+
+    def submit_parts(
+        self, agent, paths: list[str], task: dict, version: int, durable: bool, given: dict
+    ) -> None:
+        """Each node's agent encodes its own ranks' files (``paths``, on the leaders); every
+        node learns every part; node 0's agent queues the update (it completes it), the
+        others push their parts under the lease in ``given`` (the driver's task)."""
+        where = {"round": task["round"], "data_unit": task["data_unit"]}
+        part = ""
+        if self.is_leader:
+            part = json.dumps(agent.call("encode", paths=paths, **where)["part"])
+        layout = [json.loads(t) for t in self.gather_texts(part) if t]
+        upload_id = self.upload_id(task["round"])
+        if self.is_driver:
+            agent.call(
+                "submit", paths=paths, durable=durable, layout=layout, upload_id=upload_id, **task
+            )
+        elif self.is_leader:
+            agent.call(
+                "push_part",
+                layout=layout,
+                upload_id=upload_id,
+                base_version=version,
+                lease=given["lease"],
+                **task,
+            )
+            for path in paths:  # encoded into the part its agent holds
+                Path(path).unlink(missing_ok=True)
 
     def upload_id(self, round_number: int) -> str:
         """One id, the driver's, for every node's part of this update."""
