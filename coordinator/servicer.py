@@ -274,6 +274,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         else:
             header.manifest.CopyFrom(pub.manifest.to_proto())
             chunks = pub.payload.chunks(self.chunk_bytes, start, stop)
+            if request.block_digests:
+                header.block_bytes, digests = pub.payload.block_digests()
+                header.block_sha256.extend(digests)
         try:
             self.core.send_slots.acquire(request.lease.site)
         except SlotsBusy as exc:

@@ -138,6 +138,15 @@ def clear_theta_files(folder: Path, keep: Path | None = None) -> None:
             old.unlink(missing_ok=True)
 
 
+MAX_BLOCKS = 4096
+
+
+def block_size(total: int) -> int:
+    """Blocks of whole MiB, at most ``MAX_BLOCKS`` of them for ``total`` bytes."""
+    mib = 1 << 20
+    return max(mib, -(-total // (MAX_BLOCKS * mib)) * mib)
+
+
 class ThetaSource:
     """What a whole-theta Fetch streams: theta's buffer until its file is written, then the
     file. A stream asks for each chunk as it goes, so once ``to_file`` is called no stream
@@ -147,6 +156,18 @@ class ThetaSource:
         self._memory: memoryview | None = payload
         self._file: ThetaFile | None = None
         self.size = len(payload)
+        self._blocks: tuple[int, list[bytes]] | None = None
+        self._blocks_lock = threading.Lock()
+
+    def block_digests(self) -> tuple[int, list[bytes]]:
+        """``(block_bytes, digests)``: the SHA-256 of each block of the payload, taken on
+        the first ask (only hosts that fetch ranges ask) and kept."""
+        with self._blocks_lock:
+            if self._blocks is None:
+                size = block_size(self.size)
+                digests = [hashlib.sha256(data).digest() for _, data in self.chunks(size)]
+                self._blocks = (size, digests)
+            return self._blocks
 
     @classmethod
     def of_file(cls, file: ThetaFile) -> ThetaSource:

@@ -10,8 +10,9 @@ over their own process group, and it does for its host only what needs the WAN:
     until ``configure``.
 ``configure`` (``job_config``) -> ``{}``; the job's config as node 0 received it (the
     ``[compression]`` and ``[transfer]`` rules).
-``fetch`` (``version``, ``theta_hash``, ``lease``) -> ``{"theta_path": ...}`` once that theta
-    is in this host's shared memory, verified against its hash.
+``fetch`` (``version``, ``theta_hash``, ``lease``, ``boxes``) -> ``{"theta_path": ...}`` once
+    the bytes of that theta holding ``boxes`` (this host's trainers' shards) are in this host's
+    shared memory, each block checked against its digest (``site_client.node_fetch``).
 ``encode`` (``round``, ``data_unit``, ``paths``) -> ``{"part": ...}``: this host's trainers'
     shard files encoded as this node's part (``site_client.node_parts``).
 ``push_part`` (``round``, ``data_unit``, ``layout``, ``upload_id``, ``weight``,
@@ -27,6 +28,7 @@ import queue
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -37,9 +39,9 @@ from site_client.coordinator_client import CoordinatorClient
 from site_client.errors import CoordinatorError
 from site_client.local_ipc import Handler, IpcServer
 from site_client.node_encoding import PartEncoder, lease_of, site_part
+from site_client.node_fetch import Box, fetch_boxes
 from site_client.scratch import claim, reclaim_abandoned
 from site_client.tasks import Task
-from site_client.theta_fetch import GlobalState
 from site_client.timings import record
 from site_client.wan import TIMINGS
 from wire.backoff import DeadlineExceeded
@@ -51,6 +53,13 @@ log = logging.getLogger("isthmus.site")
 NOT_WANTED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS, None)
 
 
+@dataclass(frozen=True)
+class Held:
+    version: int
+    theta_hash: str
+    path: Path
+
+
 class NodeAgent:
     """Node ``node`` (> 0) of a site: fetches theta for its host, pushes its host's part."""
 
@@ -59,7 +68,7 @@ class NodeAgent:
         self.encoder = PartEncoder(node, None, CodecState())
         self.job_config = ""
         self.error: str | None = None
-        self.held: GlobalState | None = None
+        self.held: Held | None = None  # the theta this host's trainers map now
         self._fetch_lock = threading.Lock()
         self._pushes: queue.Queue = queue.Queue()
         self._pending = 0
@@ -132,18 +141,25 @@ class NodeAgent:
         version, want = int(req["version"]), str(req["theta_hash"])
         with self._fetch_lock:
             held = self.held
-            if held is not None and held.version == version and held.theta_hash.hex() == want:
+            if held is not None and (held.version, held.theta_hash) == (version, want):
                 return {"theta_path": str(held.path)}
             self.client.lease = lease_of(req["lease"])
             dest = self.cfg.shm_dir / f"theta-v{version}-{want[:12]}.safetensors"
-            got = self.client.fetch(version, held=held, dest=dest)
-            if got.theta_hash.hex() != want:
-                raise CoordinatorError(None, f"theta_{version} is not the one node 0 was given")
-            if held is not None and held.path is not None and held.path != got.path:
+            given = req.get("boxes")
+            boxes = None if given is None else [Box.from_json(b) for b in given]
+            moved = fetch_boxes(self.client, version, want, boxes, dest)
+            if held is not None and held.path != dest:
                 Path(held.path).unlink(missing_ok=True)  # trainers keep their mapping
-            self.held = got
-        log.info("[%s] node %d: theta_%d (%s)", self.cfg.site, self.node, version, want[:12])
-        return {"theta_path": str(got.path)}
+            self.held = Held(version, want, dest)
+        log.info(
+            "[%s] node %d: theta_%d (%s): %.2f MB of its trainers' shards",
+            self.cfg.site,
+            self.node,
+            version,
+            want[:12],
+            moved / 1e6,
+        )
+        return {"theta_path": str(dest)}
 
     def push_part(self, req: dict) -> dict:
         task = Task(int(req["round"]), str(req.get("data_unit", "")))

@@ -188,6 +188,9 @@ class SiteSession:
             if self.node_ipc is not None:
                 self.node_ipc.call("configure", job_config=hello["job_config"])
         self._task: dict = {}  # a multi-node site: the driver's task, for the other nodes
+        # ... and this rank's boxes of the model ([name, offset, shape]): the bytes of theta
+        # its node fetches for it. None: theta whole.
+        self._boxes: list | None = None
         self.site = hello["site"]
         # This site's place among the participants of the latest round (rnd.site_index and
         # rnd.num_sites are those of each round): no need to pass them to the script.
@@ -228,6 +231,9 @@ class SiteSession:
             return
         resume = self._resume(model, optimizer)
         hooks = self._hooks(model, optimizer)
+        if self.nodes.multi:
+            held = local_pieces(model, self.rank)
+            self._boxes = [[p.name, list(p.box_offset), list(p.local.shape)] for p in held]
         while True:
             spec = self._wait_round()
             theta = map_tensors(Path(spec.theta_path))
@@ -361,7 +367,7 @@ class SiteSession:
             self._leave_drained()
         path = self._agree_on(reply.get("theta_path", ""))
         if self.nodes.multi:  # this node's own copy, and the task for the other nodes
-            path, self._task = self.nodes.theta_here(path, reply, self.node_ipc)
+            path, self._task = self.nodes.theta_here(path, reply, self.node_ipc, self._boxes)
         if not finished:  # the final theta is no round of this site's
             self.site_index, self.num_sites = index, sites
             self.prober.before(r)

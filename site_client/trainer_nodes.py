@@ -102,15 +102,24 @@ class SiteNodes:
         shared = json.loads(self.broadcast_text(json.dumps({k: hello.get(k, "") for k in keys})))
         return {**hello, **shared}
 
-    def theta_here(self, driver_path: str, reply: dict, agent) -> tuple[str, dict]:
+    def theta_here(
+        self, driver_path: str, reply: dict, agent, boxes: list | None
+    ) -> tuple[str, dict]:
         """This node's copy of the task's theta, and the task as the driver had it (version,
         theta hash, lease). Node 0 maps the driver's file; on node k the leader has its agent
-        ``fetch`` it, and every rank of the node maps that."""
+        ``fetch`` the bytes of the ``boxes`` (each rank's own: ``[name, offset, shape]``) of
+        its node's ranks, and every rank of the node maps that file."""
         keys = ("version", "theta_hash", "lease")
         task = json.loads(self.broadcast_text(json.dumps({k: reply.get(k) for k in keys})))
+        every = [json.loads(t) for t in self.gather_texts(json.dumps(boxes))]
         mine = ""
-        if self.is_leader:
-            mine = driver_path if self.node == 0 else agent.call("fetch", **task)["theta_path"]
+        if self.is_leader and self.node == 0:
+            mine = driver_path
+        elif self.is_leader:
+            # None (a rank that did not say, e.g. streaming outer steps): theta whole.
+            ours = [every[r] for r in self.ranks_here()]
+            here = None if None in ours else [b for rank_boxes in ours for b in rank_boxes]
+            mine = agent.call("fetch", boxes=here, **task)["theta_path"]
         return self.gather_texts(mine)[self.leader], task
 
     def submit_parts(

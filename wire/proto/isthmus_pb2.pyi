@@ -215,30 +215,36 @@ class WaitRoundReply(_message.Message):
     def __init__(self, round: _Optional[_Union[RoundInfo, _Mapping]] = ..., commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("lease", "version", "from_version", "offset", "length")
+    __slots__ = ("lease", "version", "from_version", "offset", "length", "block_digests")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     version: int
     from_version: int
     offset: int
     length: int
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., version: _Optional[int] = ..., from_version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    block_digests: bool
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., version: _Optional[int] = ..., from_version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., block_digests: _Optional[bool] = ...) -> None: ...
 
 class FetchHeader(_message.Message):
-    __slots__ = ("version", "from_version", "theta_hash", "manifest")
+    __slots__ = ("version", "from_version", "theta_hash", "manifest", "block_bytes", "block_sha256")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
     THETA_HASH_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SHA256_FIELD_NUMBER: _ClassVar[int]
     version: int
     from_version: int
     theta_hash: bytes
     manifest: Manifest
-    def __init__(self, version: _Optional[int] = ..., from_version: _Optional[int] = ..., theta_hash: _Optional[bytes] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ...) -> None: ...
+    block_bytes: int
+    block_sha256: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, version: _Optional[int] = ..., from_version: _Optional[int] = ..., theta_hash: _Optional[bytes] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., block_bytes: _Optional[int] = ..., block_sha256: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class FetchMessage(_message.Message):
     __slots__ = ("header", "chunk")

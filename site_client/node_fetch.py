@@ -1,0 +1,158 @@
+"""Fetching only the bytes of theta a host's trainers hold: a node of a multi-node site.
+
+Node 0 fetches theta whole and checks it against theta's hash. Another node's trainers need
+only their own boxes of each tensor (``site_client.shards``), so its agent fetches only the
+byte ranges that cover them:
+
+1. A first ranged fetch of one byte asks for the header with the payload's block digests
+   (``FetchRequest.block_digests``): the manifest, and the SHA-256 of every block of
+   ``block_bytes``.
+2. Each box becomes the span of the payload from its first element to its last (a shard of
+   rows is exactly its bytes; a box of columns a little more), rounded out to whole blocks and
+   merged (``ranges_for``).
+3. Each range is a ranged fetch (``site_client.fetch_pieces.PieceStream``: resumable, every
+   header checked against the first) into theta's mapped file; every block fetched must hash
+   to its digest. The bytes of blocks not fetched stay zero, and no trainer of this host
+   reads them.
+
+The version and theta hash must be the ones node 0 was given (the driver's task).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from site_client.errors import CoordinatorError
+from site_client.fetch_pieces import PieceStream
+from wire.chunking import ChunkError
+from wire.proto import isthmus_pb2 as pb
+from wire.safetensors_io import create_mapped
+from wire.tensors import DTYPES, Manifest, PayloadError
+from wire.transfer import Piece, ReceivedRanges
+
+
+@dataclass(frozen=True)
+class Box:
+    """A trainer's box of tensor ``name``: ``shape`` from ``offset`` (one index per dim)."""
+
+    name: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @classmethod
+    def from_json(cls, value) -> Box:
+        name, offset, shape = value
+        return cls(str(name), tuple(int(i) for i in offset), tuple(int(d) for d in shape))
+
+
+def byte_span(manifest: Manifest, box: Box) -> tuple[int, int] | None:
+    """The payload bytes from the box's first element to its last (None: an empty box)."""
+    entry = manifest.by_name().get(box.name)
+    if entry is None:
+        raise PayloadError(f"theta has no tensor {box.name!r}")
+    shape = entry.shape
+    if len(box.offset) != len(shape) or len(box.shape) != len(shape):
+        raise PayloadError(
+            f"box of {box.name!r} has {len(box.shape)} dims, the tensor {len(shape)}"
+        )
+    if any(
+        o < 0 or s < 0 or o + s > d for o, s, d in zip(box.offset, box.shape, shape, strict=True)
+    ):
+        raise PayloadError(f"box {box.offset}+{box.shape} lies outside {box.name!r} {shape}")
+    if not math.prod(box.shape):
+        return None
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    first = sum(o * st for o, st in zip(box.offset, strides, strict=True))
+    last = sum((o + s - 1) * st for o, s, st in zip(box.offset, box.shape, strides, strict=True))
+    item = torch.empty((), dtype=DTYPES[entry.dtype]).element_size()
+    return entry.offset + first * item, entry.offset + (last + 1) * item
+
+
+def ranges_for(manifest: Manifest, boxes: Iterable[Box], block: int) -> list[Piece]:
+    """The whole blocks of the payload that cover ``boxes``, merged into ranges."""
+    covered = ReceivedRanges()
+    total = manifest.total_bytes
+    for box in boxes:
+        span = byte_span(manifest, box)
+        if span is not None:
+            covered.add(span[0] // block * block, min(total, -(-span[1] // block) * block))
+    return [Piece(start, end - start) for start, end in covered.spans]
+
+
+class _Sink:
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+    def write_at(self, offset: int, data) -> None:
+        self.view[offset : offset + len(data)] = data
+
+
+def first_header(client, version: int) -> pb.FetchHeader:
+    """The header of theta ``version`` with its block digests (one byte of payload asked for)."""
+
+    def ask() -> pb.FetchHeader:
+        req = pb.FetchRequest(lease=client.lease, version=version, offset=0, length=1)
+        req.block_digests = True
+        frames = client.bulk.Fetch(req, timeout=client.rpc_timeout_s)
+        try:
+            first = next(frames, None)
+        finally:
+            frames.cancel()
+        if first is None:
+            raise ChunkError("a fetch stream ended before its header")
+        return pb.FetchHeader.FromString(first)
+
+    return client.call("fetch", ask)
+
+
+def fetch_boxes(client, version: int, theta_hash: str, boxes: list[Box] | None, dest: Path) -> int:
+    """Theta ``version``'s bytes that hold ``boxes`` (None: all of it) into a new safetensors
+    file at ``dest``; returns how many payload bytes were fetched."""
+    first = first_header(client, version)
+    if first.version != version or first.theta_hash.hex() != theta_hash:
+        raise CoordinatorError(None, f"fetch: theta_{version} is not the one node 0 was given")
+    try:
+        manifest = Manifest.from_proto(first.manifest)
+        block, digests = int(first.block_bytes), list(first.block_sha256)
+        if block <= 0 or len(digests) != -(-manifest.total_bytes // block):
+            raise PayloadError(f"{len(digests)} block digests of {block} bytes for the payload")
+        whole = [Piece(0, manifest.total_bytes)] if manifest.total_bytes else []
+        pieces = whole if boxes is None else ranges_for(manifest, boxes, block)
+        file = create_mapped(dest, manifest)
+    except PayloadError as exc:
+        raise CoordinatorError(None, f"fetch: bad payload from coordinator: {exc}") from exc
+    view = file.payload()
+    moved = [0]
+    for piece in pieces:
+        PieceStream(
+            client,
+            client.bulk,
+            first,
+            piece,
+            _Sink(view),
+            _counter(client, moved),
+            threading.Event(),
+        ).run()
+        for b in range(piece.offset // block, -(-piece.end // block)):
+            data = view[b * block : min((b + 1) * block, manifest.total_bytes)]
+            if hashlib.sha256(data).digest() != digests[b]:
+                raise CoordinatorError(
+                    None, f"fetch: block {b} of theta_{version} does not match its digest"
+                )
+    file.flush()
+    return moved[0]
+
+
+def _counter(client, moved: list[int]):
+    def count(n: int) -> None:
+        client.bytes_received += n
+        moved[0] += n
+
+    return count
