@@ -53,7 +53,7 @@ from coordinator.storage import open_store
 from coordinator.store import StoreError
 from coordinator.streaming import RoundTensors
 from coordinator.theta_files import ThetaFiles
-from coordinator.uploads import Upload, UploadTable
+from coordinator.uploads import Upload, UploadBusy, UploadTable
 from strategies import RobustAggregator, load_strategy
 from wire.health import Probe
 from wire.transfer import Piece, range_problem
@@ -528,9 +528,17 @@ class CoordinatorCore:
             heap.trim()  # the stream's read buffers are free now
 
     def finish_upload(self, upload: Upload, token: int) -> bool:
-        """Count a fully received upload; returns False if bytes are still missing."""
+        """Count a fully received upload; returns False if bytes are still missing. One
+        request at a time finishes an upload (another is refused as busy, to retry)."""
         if not upload.complete:
             return False
+        try:
+            with self.uploads.finishing(upload):
+                return self._finish(upload, token)
+        except UploadBusy as exc:
+            raise Refused("busy", str(exc)) from exc
+
+    def _finish(self, upload: Upload, token: int) -> bool:
         self.fence()
         norm = self.intake.verify(upload)  # the slow checks, without the lock
         with self._locked():

@@ -11,8 +11,9 @@ each resumes where its own range is received up to (``coordinator.upload_bytes``
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -125,6 +126,9 @@ class Upload:
         # The ranges being received now, one per stream (None: a stream of the whole payload).
         self.streams: list[Piece | None] = []
         self.admission = None  # what it counts as once complete (``coordinator.records``)
+        # Being verified and committed by one request: a second (a retried reservation, a
+        # stream's end next to another host's reservation) must wait, never verify again.
+        self.finishing = False
 
     @property
     def file(self) -> UploadBytes:
@@ -133,7 +137,7 @@ class Upload:
 
     @property
     def busy(self) -> bool:
-        return bool(self.streams)
+        return bool(self.streams) or self.finishing
 
     @property
     def received(self) -> int:
@@ -220,6 +224,21 @@ class UploadTable:
             if stream:
                 upload.streams.append(piece)
             return upload
+
+    @contextlib.contextmanager
+    def finishing(self, upload: Upload) -> Iterator[None]:
+        """While ``upload`` is verified and committed; ``UploadBusy`` if it already is."""
+        with self._lock:
+            if upload.finishing:
+                raise UploadBusy(
+                    f"upload {upload.upload_id!r} is being verified and counted; ask again shortly"
+                )
+            upload.finishing = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                upload.finishing = False
 
     def release(self, upload: Upload, piece: Piece | None = None) -> None:
         with self._lock:

@@ -44,7 +44,6 @@ from site_client.scratch import claim, reclaim_abandoned
 from site_client.tasks import Task
 from site_client.timings import record
 from site_client.wan import TIMINGS
-from wire.backoff import DeadlineExceeded
 from wire.codecs import CodecState
 from wire.transfer import transfer_from_toml
 
@@ -143,7 +142,7 @@ class NodeAgent:
             held = self.held
             if held is not None and (held.version, held.theta_hash) == (version, want):
                 return {"theta_path": str(held.path)}
-            self.client.lease = lease_of(req["lease"])
+            self._adopt(req["lease"])
             dest = self.cfg.shm_dir / f"theta-v{version}-{want[:12]}.safetensors"
             given = req.get("boxes")
             boxes = None if given is None else [Box.from_json(b) for b in given]
@@ -176,7 +175,7 @@ class NodeAgent:
             task, payload, part, req = item
             sent, started = self.client.bytes_sent, time.monotonic()
             try:
-                self.client.lease = lease_of(req["lease"])
+                self._adopt(req["lease"])
                 self.client.push(
                     task.round,
                     payload,
@@ -203,12 +202,21 @@ class NodeAgent:
                     sent / 1e6,
                     seconds,
                 )
-            except (CoordinatorError, DeadlineExceeded, OSError) as exc:
+            except Exception as exc:  # any failure stops this host's trainers, saying why
                 self._failed(task, exc)
             finally:
                 with self._cond:
                     self._pending -= 1
                     self._cond.notify_all()
+
+    def _adopt(self, value: dict) -> None:
+        """Work under node 0's lease ``value`` unless a newer one is held already (the fetch
+        and the push threads each pass on the one they were given)."""
+        lease = lease_of(value)
+        with self._cond:
+            held = self.client.lease
+            if held is None or lease.token >= held.token:
+                self.client.lease = lease
 
     def _failed(self, task: Task, exc: BaseException) -> None:
         site, node = self.cfg.site, self.node

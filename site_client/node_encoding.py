@@ -51,15 +51,14 @@ def site_part(payload: UpdatePayload, layout: list, node: int) -> tuple[UpdatePa
     """This node's encoded ``payload`` placed in the site's payload that ``layout`` (every
     node's ``NodePart`` JSON) describes; node 0 completes the update."""
     parts = [NodePart.from_json(p) for p in layout]
-    manifest, starts = site_layout(parts)
+    manifest, ranges = site_layout(parts)
     mine = NodePart.of(node, payload)
     (given,) = [p for p in parts if p.node == node] or [None]
     if given is None or given.sha256 != mine.sha256 or given.length != mine.length:
         raise PayloadError(f"the site's layout does not hold node {node}'s part as encoded here")
     # Its range in the site's payload: its bytes and the padding up to the next part's start.
-    span = manifest.parts[node]  # the parts are in node order
-    share = SitePart(span.offset, span.length, node == 0)
-    return placed(payload, starts[node], manifest), share
+    offset, length = ranges[node]
+    return placed(payload, offset, manifest), SitePart(offset, length, node == 0)
 
 
 def lease_json(lease: pb.Lease) -> dict:

@@ -69,22 +69,29 @@ class NodePart:
             raise PayloadError(f"a node's part description is malformed: {exc!r}") from None
 
 
-def site_layout(parts: Sequence[NodePart]) -> tuple[Manifest, list[int]]:
-    """The site's manifest over ``parts`` (one per node, nodes 0..N-1), and where each node's
-    part starts; ``PayloadError`` if the parts do not make one valid payload."""
+def site_layout(parts: Sequence[NodePart]) -> tuple[Manifest, list[tuple[int, int]]]:
+    """The site's manifest over ``parts`` (one per node, nodes 0..N-1), and each node's range
+    ``(offset, length)`` of the payload (its bytes and the padding after them); a node with
+    nothing to hand over has an empty range and no part. ``PayloadError`` if the parts do not
+    make one valid payload."""
     ordered = sorted(parts, key=lambda p: p.node)
     if [p.node for p in ordered] != list(range(len(ordered))):
         raise PayloadError(f"parts of nodes {[p.node for p in ordered]}, not one per node 0..N-1")
-    starts = lay_out([p.length for p in ordered], ALIGN)
+    filled = [p for p in ordered if p.length]
+    starts = dict(
+        zip((p.node for p in filled), lay_out([p.length for p in filled], ALIGN), strict=True)
+    )
     entries: list[TensorEntry] = []
     spans: list[PayloadPart] = []
-    for i, (part, start) in enumerate(zip(ordered, starts, strict=True)):
-        last = i == len(ordered) - 1
-        length = part.length if last else starts[i + 1] - start
-        digest = part.sha256 if last else part.padded_sha256
-        spans.append(PayloadPart(start, length, digest))
+    for i, part in enumerate(filled):
+        start = starts[part.node]
+        last = i == len(filled) - 1
+        length = part.length if last else starts[filled[i + 1].node] - start
+        spans.append(PayloadPart(start, length, part.sha256 if last else part.padded_sha256))
         entries += [replace(e, offset=e.offset + start) for e in part.entries]
     total = spans[-1].end if spans else 0
     manifest = Manifest(tuple(entries), total, parts_digest(spans), tuple(spans))
     validate_manifest(manifest)
-    return manifest, starts
+    by_start = {p.offset: (p.offset, p.length) for p in spans}
+    ranges = [by_start[starts[p.node]] if p.node in starts else (total, 0) for p in ordered]
+    return manifest, ranges

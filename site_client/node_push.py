@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from site_client.errors import PushAborted
 from site_client.parallel_push import PiecedPush, held_ranges
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
@@ -27,6 +28,9 @@ from wire.transfer import Piece, plan_pieces
 
 POLL_S = 0.05  # between the completing node's asks while other parts arrive
 POLL_CAP_S = 1.0
+# The other hosts' parts stopped arriving this long: the update is withdrawn (a host whose
+# part was refused, or lost with its agent, does not send it again).
+STALL_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -74,8 +78,10 @@ class PartsPush:
         return self._complete()
 
     def _complete(self) -> pb.PushReply:
-        """Ask until the update counts: the other nodes' parts may still be arriving."""
+        """Ask until the update counts: the other nodes' parts may still be arriving. Once
+        they stop arriving for ``STALL_S``, the update is withdrawn (``PushAborted``)."""
         p, delay = self.push, POLL_S
+        covered, since = -1, time.monotonic()
         while True:
             reply = p.reserve()
             if reply.complete:
@@ -85,5 +91,12 @@ class PartsPush:
                 raise ChunkError(f"this node's part is not all in: {reply.message}")
             if p.abort():
                 raise p.withdrawn()
+            if held.covered() != covered:
+                covered, since = held.covered(), time.monotonic()
+            elif time.monotonic() - since > STALL_S:
+                raise PushAborted(
+                    f"push of round {p.round}: the site's other hosts' parts stopped arriving "
+                    f"({covered} of {p.payload.total_bytes} bytes in for {STALL_S:g}s)"
+                )
             time.sleep(delay)
             delay = min(delay * 2, POLL_CAP_S)

@@ -179,7 +179,8 @@ class UpdatePush:
                     held.enter_context(self.client.upload_connection())
                     for _ in range(self.streams())
                 ]
-                self._bulk = self.connections[0]
+                # None: this host of a multi-node site has nothing to send, only to ask.
+                self._bulk = self.connections[0] if self.connections else self.client.bulk
                 reply = self.client.call("push", self.attempt)
             complete = True
             return reply

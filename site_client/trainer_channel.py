@@ -226,7 +226,10 @@ class TrainerChannel:
         """A multi-node site: this node's part of an update (``site_client.node_encoding``)."""
         if self.encoder is None:
             raise ValueError("encode: this agent has not joined the job yet")
-        return self.encoder.encode(req)
+        reply = self.encoder.encode(req)
+        if (lease := self.lease()) is not None:  # the newest, for the other nodes' pushes
+            reply["lease"] = lease_json(lease)
+        return reply
 
     def submit(self, req: dict) -> dict:
         task, s = _task(req), self.state

@@ -129,11 +129,15 @@ class SiteNodes:
         node learns every part; node 0's agent queues the update (it completes it), the
         others push their parts under the lease in ``given`` (the driver's task)."""
         where = {"round": task["round"], "data_unit": task["data_unit"]}
-        part = ""
+        mine = ""
         if self.is_leader:
-            part = json.dumps(agent.call("encode", paths=paths, **where)["part"])
-        layout = [json.loads(t) for t in self.gather_texts(part) if t]
-        upload_id = self.upload_id(task["round"])
+            mine = json.dumps(agent.call("encode", paths=paths, **where))
+        replies = [json.loads(t) for t in self.gather_texts(mine) if t]
+        layout = [r["part"] for r in replies]
+        # Node 0's lease as it stood at the hand-off (newer than the task's, if it re-joined).
+        lease = next((r["lease"] for r in replies if "lease" in r), given["lease"])
+        upload_id, weight = self.agreed(task["round"], task["weight"])
+        task = {**task, "weight": weight}
         if self.is_driver:
             agent.call(
                 "submit", paths=paths, durable=durable, layout=layout, upload_id=upload_id, **task
@@ -144,12 +148,14 @@ class SiteNodes:
                 layout=layout,
                 upload_id=upload_id,
                 base_version=version,
-                lease=given["lease"],
+                lease=lease,
                 **task,
             )
             for path in paths:  # encoded into the part its agent holds
                 Path(path).unlink(missing_ok=True)
 
-    def upload_id(self, round_number: int) -> str:
-        """One id, the driver's, for every node's part of this update."""
-        return self.broadcast_text(f"r{round_number}-{uuid.uuid4().hex[:16]}")
+    def agreed(self, round_number: int, weight: float) -> tuple[str, float]:
+        """The driver's upload id and weight, the same for every node's part of this update."""
+        mine = {"upload_id": f"r{round_number}-{uuid.uuid4().hex[:16]}", "weight": weight}
+        theirs = json.loads(self.broadcast_text(json.dumps(mine)))
+        return str(theirs["upload_id"]), float(theirs["weight"])

@@ -220,8 +220,8 @@ class WanWorker:
     def _send(self, job) -> tuple[str | None, bool]:
         """Push ``job`` (its held payload when it is sent again); the outcome for the log and
         whether it counted. Outcome None: refused as early, to be pushed later."""
-        resend = job.payload is not None
-        if not resend:
+        resend = job.payload is not None and job.part is None  # a part is placed at hand-off
+        if job.payload is None:
             job.payload = build_payload(job.paths, self.compression, self.codec_state)
         # A multi-node site: this host's part, under the id every node pushes its part with.
         parts = {"upload_id": job.upload_id, "part": job.part} if job.part is not None else {}
@@ -242,7 +242,8 @@ class WanWorker:
         except CoordinatorError as exc:
             if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
                 if not resend and self._behind(job.task.round):
-                    job.payload = None
+                    if job.part is None:
+                        job.payload = None  # encoded again once the coordinator is there
                     return None, False
                 # The round closed without this site (deadline): the strategy's rule for late
                 # updates applies, and the trainers go on with the next task.

@@ -171,3 +171,27 @@ def test_sites_join_and_leave_at_round_boundaries_and_the_outer_state_carries_on
     push(core, "site-c", tokens["site-c"], 2, delta_like(core, 5.0))
     heartbeat_all(core, clock, tokens, 2.0)
     expect([1.0, 5.0])  # momentum from rounds 0 and 1 still applies
+
+
+def test_an_upload_is_verified_and_counted_by_one_request_at_a_time(tmp_path):
+    """A second finish of an upload being finished (a retried reservation, another host's
+    reservation next to the end of a stream) waits its turn: it never verifies the same file
+    again, nor discards it, and the upload counts once."""
+    from coordinator.records import PushHeader
+    from wire.tensors import pack
+
+    clock = Clock()
+    core = new_core(tmp_path, clock, rounds={"min_sites": 2})
+    tokens = _open_round(core, clock, ("site-a", "site-b"))
+    manifest, payload = pack(delta_like(core, 1.0))
+    header = PushHeader("site-a", tokens["site-a"], 0, "u1", manifest.to_proto(), 1.0, 0)
+    upload = core.begin_upload(header)
+    core.upload_chunk(upload, 0, bytes(payload))
+    core.release_upload(upload)
+    with core.uploads.finishing(upload):  # the first request, verifying
+        with pytest.raises(Refused) as err:
+            core.finish_upload(upload, tokens["site-a"])
+        assert err.value.code == "busy"
+    assert core.snapshot().updates_received == 0
+    assert core.finish_upload(upload, tokens["site-a"])  # its turn: counted once
+    assert core.snapshot().updates_received == 1

@@ -53,19 +53,34 @@ def two_parts(seed: int):
     p1, b1 = raw_part(
         1, [("lin.bias", (), (), delta["lin.bias"]), ("lin.weight", (600, 0), whole, w[600:])]
     )
-    manifest, starts = site_layout([p1, p0])  # any order: laid out by node
-    data = b0 + bytes(starts[1] - len(b0)) + b1
-    return delta, manifest, starts, data
+    manifest, ranges = site_layout([p1, p0])  # any order: laid out by node
+    data = b0 + bytes(ranges[1][0] - len(b0)) + b1
+    return delta, manifest, ranges, data
+
+
+@pytest.mark.parametrize("empty", [0, 1, 2])
+def test_a_node_with_nothing_to_hand_over_has_no_part(empty):
+    """A host whose trainers hold no writer's piece (replicas) adds nothing to the layout."""
+    rows = torch.arange(10, dtype=torch.float32).reshape(10, 1)
+    parts = [
+        raw_part(k, [] if k == empty else [("lin.weight", (10 * k, 0), (30, 1), rows)])[0]
+        for k in range(3)
+    ]
+    manifest, ranges = site_layout(parts)
+    assert len(manifest.parts) == 2 and ranges[empty][1] == 0
+    assert sum(n for _, n in ranges) == manifest.total_bytes
 
 
 # ---- the manifest's rules -------------------------------------------------------------------
 
 
 def test_site_layout_tiles_the_payload_with_each_part_hashed_on_its_own():
-    _, manifest, starts, data = two_parts(0)
+    _, manifest, ranges, data = two_parts(0)
     a, b = manifest.parts
     assert (
-        starts == [0, a.end] and a.end % ALIGN == 0 and b.end == manifest.total_bytes == len(data)
+        ranges == [(0, a.length), (a.end, b.length)]
+        and a.end % ALIGN == 0
+        and b.end == manifest.total_bytes == len(data)
     )
     assert a.sha256 == sha(data[: a.end]) and b.sha256 == sha(data[a.end :])
     assert manifest.sha256 == parts_digest(manifest.parts)
@@ -79,6 +94,7 @@ def test_site_layout_tiles_the_payload_with_each_part_hashed_on_its_own():
         (lambda ps: (ps[0], replace(ps[1], offset=ps[1].offset + 64)), "must start at byte"),
         (lambda ps: (ps[0], replace(ps[1], length=ps[1].length - 4)), "the parts end at byte"),
         (lambda ps: (ps[0], replace(ps[1], sha256=b"x" * 31)), "not 32"),
+        (lambda ps: (ps[0], PayloadPart(ps[1].offset, 0, b"0" * 32), ps[1]), "none empty"),
         (
             lambda ps: (
                 replace(ps[0], length=ps[0].length - 64),
@@ -88,7 +104,7 @@ def test_site_layout_tiles_the_payload_with_each_part_hashed_on_its_own():
         ),
         (lambda ps: tuple(PayloadPart(0, 0, b"0" * 32) for _ in range(4097)), "limit 4096"),
     ],
-    ids=["offset", "gap", "short", "digest-size", "entry-crosses", "too-many"],
+    ids=["offset", "gap", "short", "digest-size", "empty", "entry-crosses", "too-many"],
 )
 def test_parts_that_do_not_describe_the_payload_are_refused(spoil, words):
     _, manifest, _, _ = two_parts(0)

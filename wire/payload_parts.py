@@ -14,6 +14,7 @@ part. An empty ``parts`` is a payload hashed whole, as every single-host update 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -70,10 +71,10 @@ def check_parts(
         raise PartsError(f"manifest lists {len(parts)} parts, limit {MAX_PARTS}")
     at = 0
     for i, p in enumerate(parts):
-        if p.offset != at or p.length < 0:
+        if p.offset != at or p.length <= 0:
             raise PartsError(
                 f"part {i} covers [{p.offset}, {p.end}); the parts must follow one another "
-                f"from byte 0, and this one must start at byte {at}"
+                f"from byte 0, none empty, and this one must start at byte {at}"
             )
         if len(p.sha256) != 32:
             raise PartsError(f"part {i}: its SHA-256 is {len(p.sha256)} bytes, not 32")
@@ -93,10 +94,7 @@ def check_parts(
 
 
 def _part_at(ends: list[int], offset: int) -> int:
-    for i, end in enumerate(ends):
-        if offset < end:
-            return i
-    return len(ends) - 1
+    return min(bisect.bisect_right(ends, offset), len(ends) - 1)
 
 
 def digest_of(
