@@ -15,8 +15,8 @@ theta's version and hash, the lease), and each node's part of the update
 
 from __future__ import annotations
 
+import hashlib
 import json
-import uuid
 from pathlib import Path
 
 import torch
@@ -136,7 +136,7 @@ class SiteNodes:
         layout = [r["part"] for r in replies]
         # Node 0's lease as it stood at the hand-off (newer than the task's, if it re-joined).
         lease = next((r["lease"] for r in replies if "lease" in r), given["lease"])
-        upload_id, weight = self.agreed(task["round"], task["weight"])
+        upload_id, weight = self.agreed(task, layout)
         task = {**task, "weight": weight}
         if self.is_driver:
             agent.call(
@@ -154,8 +154,14 @@ class SiteNodes:
             for path in paths:  # encoded into the part its agent holds
                 Path(path).unlink(missing_ok=True)
 
-    def agreed(self, round_number: int, weight: float) -> tuple[str, float]:
-        """The driver's upload id and weight, the same for every node's part of this update."""
-        mine = {"upload_id": f"r{round_number}-{uuid.uuid4().hex[:16]}", "weight": weight}
+    def agreed(self, task: dict, layout: list) -> tuple[str, float]:
+        """The upload id and the driver's weight, the same for every node's part of this
+        update. The id is the layout's digest: trainers restarted after their hand-off hand
+        the same bytes over again (raw updates, their state restored from the checkpoint),
+        and their hosts then push into the same upload rather than start another."""
+        text = json.dumps(layout, sort_keys=True).encode()
+        digest = hashlib.sha256(text).hexdigest()[:24]
+        unit = f"-{task['data_unit']}" if task["data_unit"] else ""
+        mine = {"upload_id": f"r{task['round']}{unit}-{digest}", "weight": task["weight"]}
         theirs = json.loads(self.broadcast_text(json.dumps(mine)))
         return str(theirs["upload_id"]), float(theirs["weight"])
