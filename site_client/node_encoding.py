@@ -36,6 +36,8 @@ class PartEncoder:
         paths = [Path(str(p)) for p in req["paths"]]
         payload = build_payload(paths, self.compression, self.codec_state)
         with self._lock:
+            # A part of an earlier round never placed (a hand-off that failed half-way) goes.
+            self._encoded = {t: p for t, p in self._encoded.items() if t.round >= task.round}
             self._encoded[task] = payload
         return {"part": NodePart.of(self.node, payload).to_json()}
 
