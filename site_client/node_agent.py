@@ -54,9 +54,25 @@ NOT_WANTED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXIST
 
 @dataclass(frozen=True)
 class Held:
+    """The theta this host's trainers map: its version and hash, the boxes it was fetched
+    for (``boxes_key``) and its file."""
+
     version: int
     theta_hash: str
+    boxes: str
     path: Path
+
+    def same(self, other: Held) -> bool:
+        return (self.version, self.theta_hash, self.boxes) == (
+            other.version,
+            other.theta_hash,
+            other.boxes,
+        )
+
+
+def boxes_key(boxes: list[Box] | None) -> str:
+    """What a fetch was for, to tell whether a held file serves another ask."""
+    return "whole" if boxes is None else repr(boxes)
 
 
 class NodeAgent:
@@ -69,6 +85,7 @@ class NodeAgent:
         self.error: str | None = None
         self.held: Held | None = None  # the theta this host's trainers map now
         self._fetch_lock = threading.Lock()
+        self._fetches = 0  # names each fetched file: a new one never truncates a mapped one
         self._pushes: queue.Queue = queue.Queue()
         self._pending = 0
         self._cond = threading.Condition()
@@ -96,7 +113,8 @@ class NodeAgent:
 
     def stop(self) -> None:
         self._pushes.put(None)
-        self._worker.join(timeout=5)
+        if self._worker.is_alive():
+            self._worker.join(timeout=5)
         self.ipc.close()
         shutil.rmtree(self.cfg.shm_dir, ignore_errors=True)
         self._owner.close()
@@ -135,21 +153,28 @@ class NodeAgent:
         return {}
 
     def fetch(self, req: dict) -> dict:
-        """theta ``version`` into this host's shared memory (whole, or as the delta from the
-        one held), checked against ``theta_hash``."""
+        """The bytes of theta ``version`` holding ``boxes`` (None: all of it) in this host's
+        shared memory, in a file of their own: a file fetched for other boxes (the ranks were
+        placed otherwise after a restart) is never handed out for these."""
         version, want = int(req["version"]), str(req["theta_hash"])
+        given = req.get("boxes")
+        boxes = None if given is None else sorted(Box.from_json(b) for b in given)
+        asked = Held(version, want, boxes_key(boxes), Path())
         with self._fetch_lock:
             held = self.held
-            if held is not None and (held.version, held.theta_hash) == (version, want):
+            if held is not None and held.same(asked):
                 return {"theta_path": str(held.path)}
             self._adopt(req["lease"])
-            dest = self.cfg.shm_dir / f"theta-v{version}-{want[:12]}.safetensors"
-            given = req.get("boxes")
-            boxes = None if given is None else [Box.from_json(b) for b in given]
-            moved = fetch_boxes(self.client, version, want, boxes, dest)
-            if held is not None and held.path != dest:
+            self._fetches += 1
+            dest = self.cfg.shm_dir / f"theta-v{version}-{want[:12]}-{self._fetches}.safetensors"
+            try:
+                moved = fetch_boxes(self.client, version, want, boxes, dest)
+            except BaseException:
+                dest.unlink(missing_ok=True)
+                raise
+            if held is not None:
                 Path(held.path).unlink(missing_ok=True)  # trainers keep their mapping
-            self.held = Held(version, want, dest)
+            self.held = Held(version, want, asked.boxes, dest)
         log.info(
             "[%s] node %d: theta_%d (%s): %.2f MB of its trainers' shards",
             self.cfg.site,

@@ -34,11 +34,11 @@ from site_client.fetch_pieces import PieceStream
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
 from wire.safetensors_io import create_mapped
-from wire.tensors import DTYPES, Manifest, PayloadError
+from wire.tensors import DTYPES, Manifest, PayloadError, state_hash
 from wire.transfer import Piece, ReceivedRanges
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Box:
     """A trainer's box of tensor ``name``: ``shape`` from ``offset`` (one index per dim)."""
 
@@ -100,7 +100,8 @@ def first_header(client, version: int) -> pb.FetchHeader:
     def ask() -> pb.FetchHeader:
         req = pb.FetchRequest(lease=client.lease, version=version, offset=0, length=1)
         req.block_digests = True
-        frames = client.bulk.Fetch(req, timeout=client.rpc_timeout_s)
+        # The coordinator may wait for a send slot, and hash theta's blocks, before it answers.
+        frames = client.bulk.Fetch(req, timeout=client.transfer_timeout_s)
         try:
             first = next(frames, None)
         finally:
@@ -147,6 +148,8 @@ def fetch_boxes(client, version: int, theta_hash: str, boxes: list[Box] | None, 
                     None, f"fetch: block {b} of theta_{version} does not match its digest"
                 )
     file.flush()
+    if boxes is None and state_hash(file.tensors).hex() != theta_hash:
+        raise CoordinatorError(None, f"fetch: theta_{version} does not match its hash")
     return moved[0]
 
 

@@ -33,6 +33,10 @@ POLL_CAP_S = 1.0
 STALL_S = 300.0
 
 
+class PartsStalled(PushAborted):
+    """The site's other hosts' parts stopped arriving: the update is withdrawn."""
+
+
 @dataclass(frozen=True)
 class SitePart:
     """This host's bytes ``[offset, offset + length)`` of the site's payload; ``completes``:
@@ -83,9 +87,12 @@ class PartsPush:
         p, delay = self.push, POLL_S
         covered, since = -1, time.monotonic()
         while True:
+            asked = time.monotonic()
             reply = p.reserve()
             if reply.complete:
                 return reply
+            if time.monotonic() - asked > POLL_CAP_S:  # waited for a slot: so did the others
+                since = time.monotonic()
             held = held_ranges(reply)
             if held.covered_in(self.part.offset, self.part.end) < self.part.length:
                 raise ChunkError(f"this node's part is not all in: {reply.message}")
@@ -94,7 +101,7 @@ class PartsPush:
             if held.covered() != covered:
                 covered, since = held.covered(), time.monotonic()
             elif time.monotonic() - since > STALL_S:
-                raise PushAborted(
+                raise PartsStalled(
                     f"push of round {p.round}: the site's other hosts' parts stopped arriving "
                     f"({covered} of {p.payload.total_bytes} bytes in for {STALL_S:g}s)"
                 )

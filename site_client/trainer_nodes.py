@@ -159,7 +159,7 @@ class SiteNodes:
         update. The id is the layout's digest: trainers restarted after their hand-off hand
         the same bytes over again (raw updates, their state restored from the checkpoint),
         and their hosts then push into the same upload rather than start another."""
-        text = json.dumps(layout, sort_keys=True).encode()
+        text = json.dumps(sorted(layout, key=lambda p: p["node"]), sort_keys=True).encode()
         digest = hashlib.sha256(text).hexdigest()[:24]
         unit = f"-{task['data_unit']}" if task["data_unit"] else ""
         mine = {"upload_id": f"r{task['round']}{unit}-{digest}", "weight": task["weight"]}

@@ -25,6 +25,7 @@ import grpc
 from site_client.agent_state import AgentConfig, AgentState, Offer
 from site_client.compression import CODEC_STATE_FILE, save_codec_state
 from site_client.errors import CoordinatorError, PushAborted
+from site_client.node_push import PartsStalled
 from site_client.tasks import describe, task_of
 from site_client.theta_fetch import GlobalState
 from site_client.timings import record
@@ -237,6 +238,8 @@ class WanWorker:
                 **parts,
             )
             return reply.message, True
+        except PartsStalled as exc:
+            return f"withdrawn: {exc}", False
         except PushAborted:
             return "withdrawn: another copy of its unit was committed first", False
         except CoordinatorError as exc:

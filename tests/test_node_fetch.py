@@ -76,3 +76,36 @@ def test_a_theta_other_than_node_0s_is_refused(coord, pki, tmp_path):
     with pytest.raises(CoordinatorError, match="not the one node 0 was given"):
         fetch_boxes(c, whole.version, "00" * 32, [], tmp_path / "x.safetensors")
     c.close()
+
+
+def test_a_file_fetched_for_some_boxes_is_never_handed_out_for_others(coord, pki, tmp_path):
+    """After a restart the rendezvous may place other ranks on this host: the agent fetches
+    their boxes into a file of their own, and theta whole when asked for it."""
+    from site_client.agent_state import AgentConfig
+    from site_client.node_agent import NodeAgent
+    from site_client.node_encoding import lease_json
+
+    c = client(coord.address, pki, 1)
+    whole = c.fetch()
+    cfg = AgentConfig("site-a", tmp_path / "run", tmp_path / "shm", nodes=2, node=1)
+    agent = NodeAgent(cfg, c, 1)
+    ask = {
+        "version": whole.version,
+        "theta_hash": whole.theta_hash.hex(),
+        "lease": lease_json(c.lease),
+    }
+    try:
+        second = [["lin.weight", [512, 0], [512, 2048]]]
+        first = [["lin.weight", [0, 0], [512, 2048]]]
+        a = agent.fetch({**ask, "boxes": second})["theta_path"]
+        assert agent.fetch({**ask, "boxes": second})["theta_path"] == a  # the same ask: kept
+        b = agent.fetch({**ask, "boxes": first})["theta_path"]
+        assert b != a
+        got = map_tensors(b).tensors["lin.weight"]
+        assert torch.equal(got[:512], whole.theta["lin.weight"][:512])
+        w = agent.fetch({**ask, "boxes": None})["theta_path"]
+        assert w not in (a, b)
+        assert torch.equal(map_tensors(w).tensors["lin.weight"], whole.theta["lin.weight"])
+    finally:
+        agent.stop()
+        c.close()
