@@ -6,6 +6,7 @@ fetch with two different headers."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -258,11 +259,14 @@ class ScriptedCoordinator:
 
     SERVED_CHUNK = 256 << 10
 
-    def __init__(self, header_for, break_at: int | None = None) -> None:
+    def __init__(
+        self, header_for, break_at: int | None = None, stall_at: int | None = None
+    ) -> None:
         self.theta = {"w": (torch.arange(4 * MB) % 251).to(torch.uint8)}
         self.manifest, payload = pack(self.theta)
         self.payload, self.theta_hash = bytes(payload), state_hash(self.theta)
         self.header_for, self.break_at = header_for, break_at
+        self.stall_at, self.stalled = stall_at, threading.Event()  # until cancelled
         self.requests: list[pb.FetchRequest] = []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         join = grpc.unary_unary_rpc_method_handler(
@@ -296,6 +300,14 @@ class ScriptedCoordinator:
         if header is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"version {request.version} is not served")
         yield header.SerializeToString()
+        if request.offset == self.stall_at and request.length > 1:
+            self.stall_at = None  # the first stream of that piece only: it sends nothing more
+            for _ in range(600):
+                if not context.is_active():
+                    self.stalled.set()  # the site cancelled it
+                    return
+                time.sleep(0.05)
+            return
         end = request.offset + request.length if request.HasField("length") else len(self.payload)
         for offset in range(request.offset, end, self.SERVED_CHUNK):
             yield bulk.chunk_frame(
@@ -368,6 +380,24 @@ def test_a_broken_piece_resumes_at_its_next_byte_and_a_replaced_version_starts_o
         with pytest.raises(CoordinatorError) as err:
             c.fetch(version=5)  # asked for by number: gone is gone
         assert err.value.code == grpc.StatusCode.NOT_FOUND
+        c.close()
+    finally:
+        fake.stop()
+
+
+def test_a_stalled_piece_is_fetched_again_by_an_idle_stream_and_the_stall_cancelled():
+    # One stream is sent its piece's header and nothing more (a connection that lost its
+    # window): once the other stream has every other piece, it fetches that piece too, and
+    # the stalled call is cancelled (site_client.fetch_endgame).
+    fake = ScriptedCoordinator(lambda s, r: s.header(), stall_at=0)
+    try:
+        c = fake.site()
+        got = c.fetch()
+        assert torch.equal(got.theta["w"], fake.theta["w"])
+        assert got.theta_hash == fake.theta_hash
+        assert fake.stalled.wait(10)
+        firsts = [r for r in fake.requests if r.offset == 0 and not _probe(r)]
+        assert len(firsts) == 2 and firsts[0].length == firsts[1].length, fake.requests
         c.close()
     finally:
         fake.stop()
