@@ -57,10 +57,11 @@ def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) 
             k = streams[r % len(streams)]
             client = clients[k]
             main.wait_for_round(r - 1, poll_s=0.2)
-            before = client.bytes_received
             t = time.monotonic()
-            client.fetch()  # theta_r, whole
-            took = (time.monotonic() - t, client.bytes_received - before)
+            theta = client.fetch().theta  # theta_r, whole
+            # The payload's bytes, not the bytes received: a piece one stream takes over from
+            # another at the end of a fetch may come twice (site_client.fetch_endgame).
+            took = (time.monotonic() - t, sum(v.nbytes for v in theta.values()))
             timings["fetch"].setdefault(str(k), []).append(took)
             t = time.monotonic()
             client.push(r, payload, base_version=r)
