@@ -65,14 +65,16 @@ class Pace:
         self._marks.append((self.clock(), self._total))
 
     def rate(self, until_now: bool = False) -> float | None:
-        """Bytes a second over the marks kept (``until_now``: over the time since the first
-        of them, so a stream that stopped receiving is seen to slow); None before two marks
-        a moment apart."""
+        """Bytes a second over the marks kept; None before two marks a moment apart. With
+        ``until_now``, a stream whose next chunk is late (twice the marks' mean gap since the
+        last) is reckoned up to now, so one that stopped receiving is seen to slow."""
         if len(self._marks) < 2:
             return None
         (t0, n0), (t1, n1) = self._marks[0], self._marks[-1]
         if until_now:
-            t1 = max(t1, self.clock())
+            gap = (t1 - t0) / (len(self._marks) - 1)
+            if (now := self.clock()) > t1 + 2 * gap:
+                t1 = now
         return (n1 - n0) / (t1 - t0) if t1 > t0 and n1 > n0 else None
 
 

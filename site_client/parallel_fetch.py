@@ -147,6 +147,10 @@ class ParallelFetch:
             t.start()
         for t in threads:
             t.join()
+        log.debug(
+            "fetch: %d of %d pieces over %d streams asked for ahead (round trip %.3f s)",
+            self.opened_ahead, len(pieces), len(threads), self.rtt_s,
+        )  # fmt: skip
         if errors:
             raise errors[0]
 

@@ -111,10 +111,11 @@ def test_k_streams_fetch_theta_bit_identical_to_one(site, tmp_path, streams):
     for name, tensor in one.theta.items():
         assert torch.equal(in_memory.theta[name], tensor)
     total = one.file.manifest.total_bytes
-    # Every byte once (and the first stream's first byte, which told the size): no piece
-    # was fetched twice.
-    assert (n1, nk) == (total, total + 1)
-    assert progress[0].snapshot().done == total and progress[0].started_at is None
+    # Every byte once (and the first stream's first byte, which told the size), but for the
+    # rest of a piece a stream took over from one lagging behind at the end (each at most
+    # once: fetch_endgame), which a busy machine may make of any stream here.
+    assert n1 == total and total + 1 <= nk <= total + 1 + streams * MB
+    assert progress[0].snapshot().done >= total and progress[0].started_at is None
 
 
 def test_a_stream_cut_mid_piece_resumes_at_its_byte(coord, pki, site, tmp_path):
@@ -375,7 +376,10 @@ def test_a_broken_piece_resumes_at_its_next_byte_and_a_replaced_version_starts_o
         assert got.version == 6 and torch.equal(got.theta["w"], fake.theta["w"])
         ranges = [(r.version, r.offset, r.length) for r in fake.requests if not _probe(r)]
         resumed = [r for r in ranges if r[0] == 6 and r[1] == 2 * MB + fake.SERVED_CHUNK]
-        assert resumed == [(6, 2 * MB + fake.SERVED_CHUNK, MB - fake.SERVED_CHUNK)], ranges
+        # Resumed at its next byte; the other stream, done with every other piece while this
+        # one waited out its backoff, may have taken the same rest over (fetch_endgame).
+        rest = (6, 2 * MB + fake.SERVED_CHUNK, MB - fake.SERVED_CHUNK)
+        assert resumed in ([rest], [rest, rest]), repr(ranges)
         assert any(r[0] == 5 for r in ranges)  # pieces of v5 were refused, then v6 fetched
         with pytest.raises(CoordinatorError) as err:
             c.fetch(version=5)  # asked for by number: gone is gone
