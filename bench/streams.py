@@ -8,23 +8,26 @@
 On a packet-level emulated WAN (``bench.wan_link``: two network namespaces, a relay with one
 tail-drop bottleneck queue per direction and a one-way delay, cubic, the kernel's stock TCP
 buffers), ``--mib`` MiB cross from namespace a to b over K = 1, 2, 4, 8 raw TCP streams in
-parallel, each carrying 1/K of the bytes; then a real ``coordinator serve`` in b and a site
-client in a fetch theta and push an update of that size over each K (``[transfer] streams``,
-one round per K and repeat). Efficiency is bytes / (time * rate); times run from the first byte sent
-(for the product: the call) to the receiver's reply on an open connection, so even a perfect
-transfer pays one round trip (the "ideal" line). Each row is the median of ``--repeats`` runs.
-Last, the relay's own ceiling: no delay and no rate cap. Last line::
+parallel, each carrying 1/K of the bytes, and over K > 1 streams sharing the bytes (each
+takes the next MiB while any is left: what the product's one queue of pieces could reach on
+fresh connections); then a real ``coordinator serve`` in b and a site client in a fetch theta
+and push an update of that size over each K (``[transfer] streams``, one round per K and
+repeat). Efficiency is bytes / (time * rate); times run from the first byte sent (for the
+product: the call) to the receiver's reply on an open connection, so even a perfect transfer
+pays one round trip and the packets' headers (the "ideal" line). Each row is the median of
+``--repeats`` runs. The header also says how much of a core the relay used and how late it
+wrote packets. Last, the relay's own ceiling: no delay and no rate cap. Last line::
 
     efficiency_1=... efficiency_2=... efficiency_4=... efficiency_8=... efficiency_best=...
     best_streams=... raw_tcp_efficiency=... raw_tcp_efficiency_1=... raw_tcp_efficiency_2=...
-    ... push_efficiency_1=... push_efficiency_2=... ... push_efficiency_best=...
-    push_best_streams=... relay_ceiling_mbit=...
+    ... raw_tcp_shared_efficiency_2=... ... push_efficiency_1=... push_efficiency_2=... ...
+    push_efficiency_best=... push_best_streams=... relay_ceiling_mbit=...
 
 ``efficiency_K`` is the product's fetch over K streams, ``efficiency_best`` the best of them
-at ``best_streams``; ``raw_tcp_efficiency`` is the single raw TCP stream (the reference) and
-``raw_tcp_efficiency_K`` raw TCP with K streams; ``push_efficiency_K`` the product's push
-over K streams. Without root or ``/dev/net/tun`` it prints why
-and ends with ``skipped=...``.
+at ``best_streams``; ``raw_tcp_efficiency`` is the single raw TCP stream (the reference),
+``raw_tcp_efficiency_K`` raw TCP with K streams in equal shares and
+``raw_tcp_shared_efficiency_K`` sharing the bytes; ``push_efficiency_K`` the product's push
+over K streams. Without root or ``/dev/net/tun`` it prints why and ends with ``skipped=...``.
 """
 
 from __future__ import annotations
@@ -40,18 +43,22 @@ from bench.wan_link import WanLink, WanLinkUnavailable, check_available
 
 PORT = 5201
 CEILING_MIB = 512
+TCP_IP_HEADERS = 52  # bytes of each packet that are not payload: IPv4, TCP, timestamps
 
 
 def _delta(after: dict, before: dict, key: str) -> int:
     return after[key] - before[key]
 
 
-def raw_tcp(link: WanLink, streams: int, total: int, port: int) -> dict:
-    """``total`` bytes from a to b over ``streams`` connections: seconds, drops, retransmits."""
-    before, counters = link.stats(), link.tcp_counters("a")
-    sink = link.start_call("b", "bench.streams_tcp:sink", link.addr_b, port, streams, total)
-    sent = link.call_in("a", "bench.streams_tcp:send", link.addr_b, port, streams, total)
+def raw_tcp(link: WanLink, streams: int, total: int, port: int, shared: bool = False) -> dict:
+    """``total`` bytes from a to b over ``streams`` connections, in equal shares or (``shared``)
+    from one pool: seconds, drops, retransmits, the relay's CPU."""
+    before, counters, cpu = link.stats(), link.tcp_counters("a"), link.relay_cpu_s()
+    args = (link.addr_b, port, streams, total, shared)
+    sink = link.start_call("b", "bench.streams_tcp:sink", *args)
+    sent = link.call_in("a", "bench.streams_tcp:send", *args)
     got = link.finish_call(sink)
+    cpu = (link.relay_cpu_s() - cpu) / sent["elapsed_s"]
     if got["bytes"] != total or not all(s["receipt"] for s in sent["streams"]):
         raise RuntimeError(f"raw TCP lost bytes: {got['bytes']} of {total} arrived")
     after = link.stats()
@@ -66,8 +73,10 @@ def raw_tcp(link: WanLink, streams: int, total: int, port: int) -> dict:
         "rtt_s": sent["connect_s"],
         "congestion": sent["congestion"],
         "packets_per_s": packets / sent["elapsed_s"],
+        "relay_cpu": cpu,  # of one core, over the transfer (setup and teardown included)
         # Streams of equal shares that end far apart leave the link to the last one.
         "spread_s": max(ends) - min(ends),
+        "streams": streams,
     }
 
 
@@ -113,6 +122,11 @@ def summary(runs: list[dict], rate_bps: float) -> dict:
     }
 
 
+def _raw(key) -> bool:
+    """Whether a row of ``measure`` is raw TCP's: K (equal shares) or ("shared", K)."""
+    return isinstance(key, int) or key[0] == "shared"
+
+
 def _row(name: str, streams: int, s: dict) -> str:
     lo, hi = s["range"]
     spread = "-" if s["spread_s"] is None else f"{s['spread_s']:.3f}"
@@ -123,10 +137,18 @@ def _row(name: str, streams: int, s: dict) -> str:
     )
 
 
-def header(args, link: WanLink, rtt_s: float, congestion: str) -> list[str]:
-    """What the link was, in a few lines above the table."""
+def header(args, link: WanLink, raw: list[dict], relay: dict) -> list[str]:
+    """What the link was, in a few lines above the table (``raw``: every raw TCP run,
+    ``relay``: the relay's counters after them)."""
     rate, rtt = args.rate_mbit * 1e6, 2 * args.delay_ms / 1e3
-    ideal = args.mib * 2**23 / rate
+    rtt_s, congestion = min(r["rtt_s"] for r in raw), raw[0]["congestion"]
+    # The rate carries whole IP packets: each holds MTU - 52 bytes of payload (IP, TCP and
+    # its timestamp option), so even a perfect transfer gets that share of the rate.
+    payload_share = (link.mtu - TCP_IP_HEADERS) / link.mtu
+    ideal = args.mib * 2**23 / rate / payload_share
+    one = [r["relay_cpu"] for r in raw if r["streams"] == 1]
+    late = sum(relay[d]["late_over_1ms"] for d in ("a_to_b", "b_to_a"))
+    out = sum(relay[d]["packets_out"] for d in ("a_to_b", "b_to_a"))
     return [
         f"link: {args.delay_ms:g} ms each way (RTT {rtt * 1e3:g} ms; TCP handshake measured "
         f"{rtt_s * 1e3:.1f} ms), {args.rate_mbit:g} Mbit/s each way",
@@ -134,8 +156,12 @@ def header(args, link: WanLink, rtt_s: float, congestion: str) -> list[str]:
         f"({link.queue_bytes / link.bdp_bytes:.2f} BDP), tail drop; MTU {link.mtu}; "
         f"relay {link.relay_priority}",
         f"TCP in both namespaces: {congestion}, tcp_rmem {link.tcp_rmem}, tcp_wmem {link.tcp_wmem}",
-        f"ideal for {args.mib:g} MiB: bytes / rate + 1 RTT = {ideal + rtt:.3f} s, "
-        f"efficiency {ideal / (ideal + rtt):.3f}",
+        f"ideal for {args.mib:g} MiB: packets / rate + 1 RTT = {ideal + rtt:.3f} s, "
+        f"efficiency {ideal * payload_share / (ideal + rtt):.3f} ({payload_share:.3f} of "
+        f"the rate is payload in {link.mtu}-byte packets)",
+        f"relay: {statistics.median(one) if one else 0:.0%} of one core for 1 raw TCP "
+        f"stream; {late} of {out} packets written over 1 ms after they were due (latest "
+        f"{max(relay[d]['late_max_ms'] for d in ('a_to_b', 'b_to_a')):.1f} ms)",
         f"each row: median of {args.repeats} run(s), min-max of efficiency beside it; "
         "efficiency = bytes / (seconds * rate)",
         "dropped: at the bottleneck; retrans: the sender's TCP; spread: the last stream's end "
@@ -149,6 +175,7 @@ def report(args, lines: list[str], rows: dict, ceiling: dict[int, dict]) -> str:
     """Print the table; return the closing ``key=value`` line."""
     rate = args.rate_mbit * 1e6
     raw = {k: summary(v, rate) for k, v in rows.items() if isinstance(k, int)}
+    shared = {k[1]: summary(v, rate) for k, v in rows.items() if not isinstance(k, int) and _raw(k)}
     print("\n" + "\n".join(lines) + "\n")
     print(
         f"{'transfer':<26}{'streams':>7}{'MiB':>7}{'seconds':>9}{'Mbit/s':>8}{'efficiency':>12}"
@@ -156,8 +183,14 @@ def report(args, lines: list[str], rows: dict, ceiling: dict[int, dict]) -> str:
     )
     for k, s in raw.items():
         print(_row("raw TCP, K streams", k, s))
+    for k, s in shared.items():
+        print(_row("raw TCP, K sharing bytes", k, s))
     labels = {"fetch": "isthmus fetch (theta)", "push": "isthmus push (update)"}
-    product = {key: summary(runs, rate) for key, runs in rows.items() if isinstance(key, tuple)}
+    product = {
+        key: summary(runs, rate)
+        for key, runs in rows.items()
+        if isinstance(key, tuple) and key[0] in labels
+    }
     for (kind, k), s in sorted(product.items()):
         print(_row(labels[kind], k, s))
     print("\nrelay ceiling (0 ms, no rate cap, the same relay and MTU):")
@@ -167,15 +200,18 @@ def report(args, lines: list[str], rows: dict, ceiling: dict[int, dict]) -> str:
         top = max(top, s["mbit"])
         pps = statistics.median(r["packets_per_s"] for r in runs)
         print(f"  {k} stream(s): {s['mbit']:.0f} Mbit/s, {pps:.0f} packets/s through the relay")
-    return " ".join([*closing_keys(raw, product), f"relay_ceiling_mbit={top:.0f}"])
+    return " ".join([*closing_keys(raw, shared, product), f"relay_ceiling_mbit={top:.0f}"])
 
 
-def closing_keys(raw: dict[int, dict], product: dict[tuple[str, int], dict]) -> list[str]:
-    """The last line's figures: the product's fetch per K and its best, raw TCP per K, the
-    product's push per K and its best."""
+def closing_keys(
+    raw: dict[int, dict], shared: dict[int, dict], product: dict[tuple[str, int], dict]
+) -> list[str]:
+    """The last line's figures: the product's fetch per K and its best, raw TCP per K (equal
+    shares, then sharing one pool), the product's push per K and its best."""
     keys = _per_k(product, "fetch", "efficiency", "")
     keys.append(f"raw_tcp_efficiency={raw[min(raw)]['efficiency']:.3f}")
     keys += [f"raw_tcp_efficiency_{k}={raw[k]['efficiency']:.3f}" for k in sorted(raw)]
+    keys += [f"raw_tcp_shared_efficiency_{k}={shared[k]['efficiency']:.3f}" for k in sorted(shared)]
     return keys + _per_k(product, "push", "push_efficiency", "push_")
 
 
@@ -206,11 +242,14 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 def measure(link: WanLink, args, folder: Path) -> tuple[list[str], dict, dict]:
     """Every run of the plan on ``link``: the header lines, the rows and the ceiling runs."""
     total = int(args.mib * 2**20)
-    plan = [("tcp", int(k)) for k in args.streams.split(",")] * args.repeats  # interleaved
+    counts = [int(k) for k in args.streams.split(",")]
+    plan = [(kind, k) for k in counts for kind in ("tcp", "shared") if kind == "tcp" or k > 1]
+    plan *= args.repeats  # interleaved
     plan += [] if args.no_isthmus else [("isthmus", args.repeats)]
     streams = [int(k) for k in args.streams.split(",")]
     plan += [("ceiling", 1), ("ceiling", 4)]
     names = {"tcp": "raw TCP, {} stream(s)", "isthmus": "isthmus: {} fetch + push round(s) a K"}
+    names["shared"] = "raw TCP, {} stream(s) sharing the bytes"
     names["ceiling"] = "relay ceiling (no delay, no cap), {} stream(s)"
     rows: dict = {}
     ceiling: dict[int, list[dict]] = {}
@@ -218,13 +257,14 @@ def measure(link: WanLink, args, folder: Path) -> tuple[list[str], dict, dict]:
     for i, (kind, n) in enumerate(steps(plan, lambda r: names[r[0]].format(r[1]))):
         if kind == "tcp":
             rows.setdefault(n, []).append(raw_tcp(link, n, total, PORT + i))
+        elif kind == "shared":
+            rows.setdefault(("shared", n), []).append(raw_tcp(link, n, total, PORT + i, True))
         elif kind == "isthmus":
             rows.update(isthmus(link, folder / "isthmus", args.mib, n, streams))
         else:
             if not lines:  # the link as it was, before the relay is uncapped
-                raw = [r for k, v in rows.items() if isinstance(k, int) for r in v]
-                rtt = min(r["rtt_s"] for r in raw)
-                lines = header(args, link, rtt, raw[0]["congestion"])
+                raw = [r for k, v in rows.items() if _raw(k) for r in v]
+                lines = header(args, link, raw, link.stats())
                 link.configure(0.0, None)
             ceiling[n] = [raw_tcp(link, n, CEILING_MIB << 20, PORT + i)]
     return lines, rows, ceiling

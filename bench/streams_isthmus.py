@@ -57,10 +57,11 @@ def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) 
             k = streams[r % len(streams)]
             client = clients[k]
             main.wait_for_round(r - 1, poll_s=0.2)
-            before = client.bytes_received
             t = time.monotonic()
-            client.fetch()  # theta_r, whole
-            took = (time.monotonic() - t, client.bytes_received - before)
+            theta = client.fetch().theta  # theta_r, whole
+            # The payload's bytes, not the bytes received: a piece one stream takes over from
+            # another at the end of a fetch may come twice (site_client.fetch_endgame).
+            took = (time.monotonic() - t, sum(v.nbytes for v in theta.values()))
             timings["fetch"].setdefault(str(k), []).append(took)
             t = time.monotonic()
             client.push(r, payload, base_version=r)
@@ -79,7 +80,10 @@ def _job(folder: Path, listen: str, width: int, depth: int, rounds: int, streams
     timeouts = {"heartbeat_interval_s": 2.0, "lease_ttl_s": 120.0}
     text = job_config(width, depth, rounds, 1, "fp32", timeouts)
     text = text.replace("min_sites = 2", "min_sites = 1").replace("max_sites = 2", "max_sites = 1")
-    text = text.replace('listen = "127.0.0.1:0"', f'listen = "{listen}:0"')
+    # One site is sent at most half the send slots at once (coordinator.send_slots): at the
+    # default 8, a site of 8 streams would be sent 4 and have the others refused and retried.
+    server = f'listen = "{listen}:0"\nconcurrent_fetches = {2 * streams}'
+    text = text.replace('listen = "127.0.0.1:0"', server)
     text += f"\n[transfer]\nstreams = {streams}\n"
     (folder / "job.toml").write_text(text)
     return folder / "job.toml"

@@ -4,8 +4,11 @@ Both run inside the link's namespaces through ``WanLink.call_in`` (JSON in, JSON
 sender opens all K connections first, then starts every stream at once; each stream sends its
 share of the bytes and waits for the sink's one-byte receipt of the last one, so a stream's
 time is from its first byte sent to the receipt: the bytes on the wire plus one round trip,
-like an RPC on an open connection. No socket buffer is set by hand (that would switch off the
-kernel's autotuning): the windows are what the namespace's ``tcp_rmem``/``tcp_wmem`` allow.
+like an RPC on an open connection. With ``shared`` the streams have no fixed shares: each
+takes the next ``CHUNK`` of the bytes as soon as the kernel has taken its last one, as the
+product's streams take pieces from one queue, and ends its connection when none is left. No
+socket buffer is set by hand (that would switch off the kernel's autotuning): the windows are
+what the namespace's ``tcp_rmem``/``tcp_wmem`` allow.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ def tcp_info(sock: socket.socket) -> dict[str, int]:
     return {name: words[i] for name, i in TCP_INFO_FIELDS.items()}
 
 
-def _receive(conn: socket.socket, size: int, out: dict) -> None:
+def _receive(conn: socket.socket, size: int | None, out: dict) -> None:
+    """Read ``size`` bytes (None: until the sender ends the connection), then the receipt."""
     buf = bytearray(CHUNK)
     got, first = 0, None
-    while got < size:
+    while size is None or got < size:
         n = conn.recv_into(buf)
         if not n:
             break
@@ -46,14 +50,15 @@ def _receive(conn: socket.socket, size: int, out: dict) -> None:
     conn.sendall(b"k")  # the receipt: the sender's clock stops when it arrives
 
 
-def sink(host: str, port: int, streams: int, total: int) -> dict:
-    """Accept ``streams`` connections and read each one's share; the receiver's timings."""
+def sink(host: str, port: int, streams: int, total: int, shared: bool = False) -> dict:
+    """Accept ``streams`` connections and read each one's share (``shared``: whatever each
+    sends); the receiver's timings."""
     with socket.create_server((host, port), backlog=streams) as server:
         conns = [server.accept()[0] for _ in range(streams)]
     results = [{} for _ in conns]
     # Shares are assigned by the 4-byte stream index each connection sends first.
     order = [struct.unpack("!I", _exactly(c, 4))[0] for c in conns]
-    size = shares(total, streams)
+    size = [None] * streams if shared else shares(total, streams)
     threads = [
         threading.Thread(target=_receive, args=(c, size[i], results[i]))
         for c, i in zip(conns, order, strict=True)
@@ -89,21 +94,38 @@ def _connect(host: str, port: int, deadline_s: float = 15.0) -> socket.socket:
             time.sleep(0.05)
 
 
-def _send(sock: socket.socket, size: int, go: threading.Event, out: dict) -> None:
+class _Pool:
+    """The bytes not yet sent by any stream, taken ``CHUNK`` at a time."""
+
+    def __init__(self, total: int) -> None:
+        self.left, self.lock = total, threading.Lock()
+
+    def take(self) -> int:
+        with self.lock:
+            n = min(CHUNK, self.left)
+            self.left -= n
+            return n
+
+
+def _send(sock: socket.socket, size: int | _Pool, go: threading.Event, out: dict) -> None:
     view = memoryview(bytes(CHUNK))
+    pool = size if isinstance(size, _Pool) else _Pool(size)
     go.wait()
     started = time.monotonic()
-    left = size
-    while left:
-        n = min(left, CHUNK)
+    sent = 0
+    while n := pool.take():
         sock.sendall(view[:n])
-        left -= n
+        sent += n
+    if isinstance(size, _Pool):
+        sock.shutdown(socket.SHUT_WR)  # the sink reads to the end
     receipt = sock.recv(1)
-    out.update(start=started, end=time.monotonic(), receipt=receipt == b"k", **tcp_info(sock))
+    out.update(start=started, end=time.monotonic(), receipt=receipt == b"k", sent=sent)
+    out.update(tcp_info(sock))
 
 
-def send(host: str, port: int, streams: int, total: int) -> dict:
-    """Send ``total`` bytes over ``streams`` parallel connections; the sender's timings."""
+def send(host: str, port: int, streams: int, total: int, shared: bool = False) -> dict:
+    """Send ``total`` bytes over ``streams`` parallel connections, in equal shares or
+    (``shared``) each taking the next chunk while any is left; the sender's timings."""
     socks, connect_s = [], []
     for i in range(streams):
         t = time.monotonic()
@@ -113,7 +135,7 @@ def send(host: str, port: int, streams: int, total: int) -> dict:
         socks.append(s)
     congestion = socks[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
     go, results = threading.Event(), [{} for _ in socks]
-    size = shares(total, streams)
+    size = [_Pool(total)] * streams if shared else shares(total, streams)
     threads = [
         threading.Thread(target=_send, args=(s, size[i], go, results[i]))
         for i, s in enumerate(socks)

@@ -216,6 +216,11 @@ class WanLink:
         """Counters per direction (``a_to_b``, ``b_to_a``) since the link started."""
         return self._command(cmd="stats")
 
+    def relay_cpu_s(self) -> float:
+        """CPU seconds the relay process has used so far (user and system)."""
+        fields = Path(f"/proc/{self._relay.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def tcp_counters(self, side: str) -> dict[str, int]:
         """The namespace's TCP counters (``/proc/net/snmp``: ``OutSegs``, ``RetransSegs``...)."""
         rows = [x.split() for x in self.run_in(side, "cat /proc/net/snmp").stdout.splitlines()]

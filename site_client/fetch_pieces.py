@@ -18,6 +18,8 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 
+import grpc
+
 from site_client.errors import CoordinatorError
 from wire.bulk import parse_chunk
 from wire.chunking import MAX_CHUNK_BYTES, ChunkError
@@ -88,6 +90,11 @@ class PieceQueue:
                 return None
             return self._pieces.popleft()
 
+    def put_back(self, piece) -> None:
+        """A piece taken but not fetched: the next ``take`` hands it out again."""
+        with self._lock:
+            self._pieces.appendleft(piece)
+
     def stop(self) -> None:
         self.stopped.set()
 
@@ -118,6 +125,14 @@ class PieceStream:
         Called with the size of every chunk written (byte counters, progress).
     stopped
         Set when another stream failed: this one ends between chunks (``Stopped``).
+    call
+        The piece's Fetch call if it was made ahead (``site_client.fetch_ahead``).
+    ahead
+        The stream's ``NextPiece``: told of every chunk, so that it makes the next piece's
+        call in time, and withdrawn when this piece breaks.
+    race
+        A ``fetch_endgame.Race`` when another stream fetches the rest of this piece too (set
+        later by ``Endgame`` for the stream that had it first): the first to end it wins.
     """
 
     def __init__(
@@ -129,48 +144,102 @@ class PieceStream:
         sink,
         on_bytes: Callable[[int], None],
         stopped: threading.Event,
+        call=None,
+        ahead=None,
+        race=None,
     ) -> None:
         self.client, self.stub, self.first, self.piece = client, stub, first, piece
         self.sink, self.on_bytes, self.stopped = sink, on_bytes, stopped
+        self.call, self.ahead, self.race = call, ahead, race
         self.received = piece.offset  # the piece's first byte not yet written
+        self._headed = False  # the header of the current attempt arrived
+        self.frames = None  # the call of the current attempt (``fetch_endgame`` cancels it)
+        self.done = False  # every byte of the piece is in
 
     def run(self) -> None:
         self.client.call("fetch", self._attempt)
 
+    def _open(self):
+        c, end = self.client, self.piece.end
+        req = fetch_request(c.lease, self.first, self.received, end - self.received)
+        return self.stub.Fetch(req, timeout=c.transfer_timeout_s)
+
     def _attempt(self) -> None:
         if self.stopped.is_set():
             raise Stopped()
-        end = self.piece.end
-        if self.received == end:  # the break came after the last chunk
+        if self._settled():  # the break came after the last chunk, or the race was won
             return
-        c = self.client
-        req = fetch_request(c.lease, self.first, self.received, end - self.received)
-        frames = self.stub.Fetch(req, timeout=c.transfer_timeout_s)
+        early, self.call = self.call, None
+        frames = early if early is not None else self._open()
+        self._running(frames)
         try:
-            self._receive(frames)
-        except BaseException:
+            self._receive(frames, fresh=early is None)
+        except BaseException as exc:
             frames.cancel()  # frees the coordinator's send slot now, not at the deadline
+            self._running(None)
+            if self._settled():
+                return  # the other stream of a race won, and cancelled this call
+            if early is not None and not self._headed and _busy(exc):
+                # Made ahead of a free send slot (the pieces before it were still being
+                # sent): now that they are whole, ask again at once.
+                return self._attempt()
+            self._broke()
             raise
-        if self.received != end:
+        self._running(None)
+        if not self._settled():
+            self._broke()
             raise ChunkError(
-                f"the stream of piece [{self.piece.offset}, {end}) ended at {self.received}"
+                f"the stream of piece [{self.piece.offset}, {self.piece.end}) ended at "
+                f"{self.received}"
             )
 
-    def _receive(self, frames) -> None:
+    def _running(self, frames) -> None:
+        self.frames = frames
+        if self.race is not None:
+            self.race.running(self, frames)
+
+    def _settled(self) -> bool:
+        """Whether the piece is whole: here (then the race, if any, is won), or by the other
+        stream of its race."""
+        if self.received == self.piece.end:
+            if not self.done:
+                self.done = True
+                if self.race is not None:
+                    self.race.finish(self)
+            return True
+        return self.race is not None and self.race.won.is_set()
+
+    def _broke(self) -> None:
+        if self.ahead is not None:
+            self.ahead.withdraw()
+
+    def _receive(self, frames, fresh: bool) -> None:
+        self._headed = False
         first_frame = next(frames, None)
         if first_frame is None:
             raise ChunkError("a fetch stream ended before its header")
+        self._headed = True
         header = pb.FetchHeader.FromString(first_frame)
         if problem := header_problem(self.first, header):
             raise CoordinatorError(
                 None, f"fetch: the coordinator answered streams of one fetch differently: {problem}"
             )
+        if self.ahead is not None:
+            self.ahead.progress(0, self.piece.end - self.received, fresh)
         for frame in frames:
             if self.stopped.is_set():
                 raise Stopped()
+            if self.race is not None and self.race.won.is_set():
+                return
             offset, data = parse_chunk(frame)
             if problem := chunk_problem(self.piece, self.received, offset, len(data)):
                 raise ChunkError(problem)
             self.sink.write_at(offset, data)
             self.received += len(data)
+            if self.ahead is not None:
+                self.ahead.progress(len(data), self.piece.end - self.received)
             self.on_bytes(len(data))
+
+
+def _busy(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE

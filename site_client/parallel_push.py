@@ -9,9 +9,12 @@ resumable stream):
 2. The pieces of the payload not wholly there go into one queue; K threads, each on a
    connection of its own for this upload (closed with it, as a single stream's is), send the
    next piece until none is left, each as a stream carrying
-   that piece only (``PushHeader.piece``), from where the coordinator's copy of it ends. The K
-   streams share the upload's one receive slot. A stream that broke first asks (a header-only
-   stream of its piece) where its piece stands, and resumes there.
+   that piece only (``PushHeader.piece``), from where the coordinator's copy of it ends. A
+   stream's next piece starts as soon as gRPC has taken the last chunk of the one before
+   (``PieceUpload.handed``), without waiting for that one's reply a round trip later: two
+   pushes at most on a connection at once, of disjoint pieces. The K streams share the
+   upload's one receive slot. A stream that broke first asks (a header-only stream of its
+   piece) where its piece stands, and resumes there.
 3. Once every piece is in and ``hold`` is set (the site's checkpoint of the task is on disk),
    a reservation again: the coordinator, holding every byte, reads the payload back, checks its
    SHA-256 and counts it exactly as it counts a single stream's upload. A payload still short
@@ -83,9 +86,30 @@ class PiecedPush:
             raise errors[0]
 
     def _stream(self, stub, queue: PieceQueue, errors: list) -> None:
+        """One stream's loop: each piece's push starts as soon as the piece before it has
+        handed its last chunk to the connection, while that one's reply is on its way back
+        (two pushes at most on the stream's connection at once, never overlapping pieces)."""
+        current: PieceUpload | None = None
         try:
-            while (item := queue.take()) is not None:
-                PieceUpload(self.push, stub, *item, self._count, queue.stopped).run()
+            while True:
+                if current is not None:
+                    current.handed.wait()
+                item = queue.take()
+                following = None
+                if item is not None:
+                    following = PieceUpload(self.push, stub, *item, self._count, queue.stopped)
+                    following.start()
+                if current is not None:
+                    try:
+                        current.join()
+                    except BaseException:
+                        queue.stop()
+                        if following is not None:
+                            following.join(quiet=True)  # stops between chunks: stopped is set
+                        raise
+                if following is None:
+                    return
+                current = following
         except Stopped:
             pass
         except BaseException as exc:  # handed to ``send``, which raises the first
@@ -99,14 +123,35 @@ class PiecedPush:
 
 
 class PieceUpload:
-    """One piece of an upload on ``stub``, from ``start``; ``run`` returns once the
-    coordinator holds all of it."""
+    """One piece of an upload on ``stub``, from ``start``, in a thread of its own (``start``,
+    ``join``): done once the coordinator holds all of it. ``handed`` is set once every chunk
+    of the piece has been handed to the connection, or the piece's push ended."""
 
     def __init__(self, push, stub, piece: Piece, start: int, on_bytes, stopped) -> None:
         self.push, self.client, self.stub = push, push.client, stub
         self.piece, self.sent = piece, start  # the coordinator holds the piece up to ``sent``
         self.on_bytes, self.stopped = on_bytes, stopped
         self.unsure = False  # a stream broke: ask where the piece stands before sending
+        self.handed = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="push-piece", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, quiet: bool = False) -> None:
+        """Wait for the piece; raise what ended it unless it is whole (or ``quiet``)."""
+        self._thread.join()
+        if self._error is not None and not quiet:
+            raise self._error
+
+    def _run(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:  # raised by ``join``, in the stream's thread
+            self._error = exc
+        finally:
+            self.handed.set()
 
     def run(self) -> None:
         self.client.call("push", self._attempt)
@@ -150,6 +195,9 @@ class PieceUpload:
                 return  # a short stream: the coordinator keeps what arrived
             yield chunk_frame(offset, data)
             self.on_bytes(len(data))
+        # gRPC asks for the next frame once the last one's send completed: the piece's bytes
+        # are all on the connection, and the stream's next piece may follow them now.
+        self.handed.set()
 
 
 def _span(piece: Piece) -> str:

@@ -75,23 +75,34 @@ class FollowingStub:
 
 class UploadConnection:
     """The connection of one upload's data streams, to the address the client uses at each
-    attempt (reopened when the client follows a new leader), closed with the upload."""
+    attempt (reopened when the client follows a new leader), closed with the upload. Two
+    pieces of a stream may be pushed on it at once (the next one starts while the reply of
+    the one before it is on its way), so it is opened and reopened under a lock."""
 
     def __init__(self, client, open_channel: Callable[[str], grpc.Channel]) -> None:
         self.client, self._open = client, open_channel
+        self._lock = threading.Lock()
         self._address: str | None = None
         self._channel: grpc.Channel | None = None
         self._stub: BulkStub | None = None
 
     def Push(self, frames: Iterator[bytes], timeout: float) -> pb.PushReply:  # noqa: N802
+        return self._now().Push(frames, timeout=timeout)
+
+    def _now(self) -> BulkStub:
         address = self.client.address
-        if address != self._address:
-            self.close()
-            self._channel, self._address = self._open(address), address
-            self._stub = BulkStub(self._channel)
-        return self._stub.Push(frames, timeout=timeout)
+        with self._lock:
+            if address != self._address:
+                self._close()
+                self._channel, self._address = self._open(address), address
+                self._stub = BulkStub(self._channel)
+            return self._stub
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = self._address = None

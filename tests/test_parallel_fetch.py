@@ -6,6 +6,7 @@ fetch with two different headers."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -110,10 +111,11 @@ def test_k_streams_fetch_theta_bit_identical_to_one(site, tmp_path, streams):
     for name, tensor in one.theta.items():
         assert torch.equal(in_memory.theta[name], tensor)
     total = one.file.manifest.total_bytes
-    # Every byte once (and the first stream's first byte, which told the size): no piece
-    # was fetched twice.
-    assert (n1, nk) == (total, total + 1)
-    assert progress[0].snapshot().done == total and progress[0].started_at is None
+    # Every byte once (and the first stream's first byte, which told the size), but for the
+    # rest of a piece a stream took over from one lagging behind at the end (each at most
+    # once: fetch_endgame), which a busy machine may make of any stream here.
+    assert n1 == total and total + 1 <= nk <= total + 1 + streams * MB
+    assert progress[0].snapshot().done >= total and progress[0].started_at is None
 
 
 def test_a_stream_cut_mid_piece_resumes_at_its_byte(coord, pki, site, tmp_path):
@@ -258,11 +260,14 @@ class ScriptedCoordinator:
 
     SERVED_CHUNK = 256 << 10
 
-    def __init__(self, header_for, break_at: int | None = None) -> None:
+    def __init__(
+        self, header_for, break_at: int | None = None, stall_at: int | None = None
+    ) -> None:
         self.theta = {"w": (torch.arange(4 * MB) % 251).to(torch.uint8)}
         self.manifest, payload = pack(self.theta)
         self.payload, self.theta_hash = bytes(payload), state_hash(self.theta)
         self.header_for, self.break_at = header_for, break_at
+        self.stall_at, self.stalled = stall_at, threading.Event()  # until cancelled
         self.requests: list[pb.FetchRequest] = []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         join = grpc.unary_unary_rpc_method_handler(
@@ -296,6 +301,14 @@ class ScriptedCoordinator:
         if header is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"version {request.version} is not served")
         yield header.SerializeToString()
+        if request.offset == self.stall_at and request.length > 1:
+            self.stall_at = None  # the first stream of that piece only: it sends nothing more
+            for _ in range(600):
+                if not context.is_active():
+                    self.stalled.set()  # the site cancelled it
+                    return
+                time.sleep(0.05)
+            return
         end = request.offset + request.length if request.HasField("length") else len(self.payload)
         for offset in range(request.offset, end, self.SERVED_CHUNK):
             yield bulk.chunk_frame(
@@ -363,11 +376,32 @@ def test_a_broken_piece_resumes_at_its_next_byte_and_a_replaced_version_starts_o
         assert got.version == 6 and torch.equal(got.theta["w"], fake.theta["w"])
         ranges = [(r.version, r.offset, r.length) for r in fake.requests if not _probe(r)]
         resumed = [r for r in ranges if r[0] == 6 and r[1] == 2 * MB + fake.SERVED_CHUNK]
-        assert resumed == [(6, 2 * MB + fake.SERVED_CHUNK, MB - fake.SERVED_CHUNK)], ranges
+        # Resumed at its next byte; the other stream, done with every other piece while this
+        # one waited out its backoff, may have taken the same rest over (fetch_endgame).
+        rest = (6, 2 * MB + fake.SERVED_CHUNK, MB - fake.SERVED_CHUNK)
+        assert resumed in ([rest], [rest, rest]), repr(ranges)
         assert any(r[0] == 5 for r in ranges)  # pieces of v5 were refused, then v6 fetched
         with pytest.raises(CoordinatorError) as err:
             c.fetch(version=5)  # asked for by number: gone is gone
         assert err.value.code == grpc.StatusCode.NOT_FOUND
+        c.close()
+    finally:
+        fake.stop()
+
+
+def test_a_stalled_piece_is_fetched_again_by_an_idle_stream_and_the_stall_cancelled():
+    # One stream is sent its piece's header and nothing more (a connection that lost its
+    # window): once the other stream has every other piece, it fetches that piece too, and
+    # the stalled call is cancelled (site_client.fetch_endgame).
+    fake = ScriptedCoordinator(lambda s, r: s.header(), stall_at=0)
+    try:
+        c = fake.site()
+        got = c.fetch()
+        assert torch.equal(got.theta["w"], fake.theta["w"])
+        assert got.theta_hash == fake.theta_hash
+        assert fake.stalled.wait(10)
+        firsts = [r for r in fake.requests if r.offset == 0 and not _probe(r)]
+        assert len(firsts) == 2 and firsts[0].length == firsts[1].length, fake.requests
         c.close()
     finally:
         fake.stop()

@@ -30,7 +30,7 @@ from wire.identity import Bundle, init_ca, issue
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.tensors import pack
-from wire.transfer import Piece, ReceivedRanges, TransferConfig
+from wire.transfer import Piece, ReceivedRanges, TransferConfig, plan_pieces
 
 pytestmark = pytest.mark.e2e
 
@@ -370,3 +370,62 @@ def test_a_broken_piece_asks_where_it_stands_and_resumes_there():
     assert mine == [2 * MB, None, 2 * MB + chunk], fake.streams
     # Sent once, give or take the chunk the break caught (counted once gRPC took it).
     assert abs(c.bytes_sent - payload.total_bytes) <= chunk
+
+
+class HoldingReceiver(ScriptedReceiver):
+    """Holds each piece's reply until the next piece's stream on the same connection has
+    begun (or the payload is whole, or ``HOLD_S`` passed), and records whether it had: the
+    site must not wait for a piece's reply before its stream goes on with the next one."""
+
+    HOLD_S = 5.0
+
+    def __init__(self, total: int) -> None:
+        super().__init__(total, break_at=-1)
+        self.cond = threading.Condition()
+        self.begun: dict[str, int] = {}  # piece streams begun, per connection
+        self.open_at_once = self.most_open = 0
+        self.followed: list[bool] = []  # per piece reply: had the next stream begun?
+
+    def _push(self, frames, context) -> pb.PushReply:
+        peer = context.peer()
+        with self.cond:
+            mine = self.begun.get(peer, 0)
+            self.begun[peer] = mine + 1
+            self.open_at_once += 1
+            self.most_open = max(self.most_open, self.open_at_once)
+            self.cond.notify_all()
+        try:
+            reply = super()._push(frames, context)
+            if not reply.granted and not reply.complete:  # a piece, not a reservation
+                with self.cond:
+                    self.cond.notify_all()  # the payload may be whole now
+
+                    def followed() -> bool:
+                        return self.begun[peer] > mine + 1
+
+                    last = lambda: self.have.covers(len(self.data))  # noqa: E731
+                    self.cond.wait_for(lambda: followed() or last(), self.HOLD_S)
+                    self.followed.append(followed())
+            return reply
+        finally:
+            with self.cond:
+                self.open_at_once -= 1
+
+
+def test_each_stream_sends_its_next_piece_while_the_last_ones_reply_is_on_its_way():
+    chunk = 128 << 10
+    payload = payload_of(*pack({"w": torch.arange(1 << 20, dtype=torch.float32)}))  # 4 MiB
+    fake = HoldingReceiver(payload.total_bytes)
+    c = CoordinatorClient(fake.address, "site-a", backoff=FAST_BACKOFF, chunk_bytes=chunk)
+    try:
+        c.join()
+        assert c.push(0, payload, base_version=0).complete
+    finally:
+        c.close()
+        fake.server.stop(grace=None)
+    assert bytes(fake.data) == payload_bytes(payload)
+    pieces = len(plan_pieces(payload.total_bytes, chunk, 2))
+    # Every piece but each stream's last was followed before its reply left; never more
+    # than two pushes at once on a stream (the coordinator allows 2 K per site).
+    assert len(fake.followed) == pieces and fake.followed.count(False) == 2, fake.followed
+    assert fake.most_open <= 4
