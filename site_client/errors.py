@@ -33,3 +33,8 @@ class SiteDrained(SystemExit):
     def __init__(self, reason: str) -> None:
         super().__init__(0)
         self.reason = reason
+
+
+class PartsStalled(RuntimeError):
+    """A multi-node site's update: the other hosts' parts stopped arriving, so node 0
+    withdrew it (``site_client.node_push``)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from site_client.errors import PushAborted
+from site_client.errors import PartsStalled
 from site_client.parallel_push import PiecedPush, held_ranges
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
@@ -31,10 +31,6 @@ POLL_CAP_S = 1.0
 # The other hosts' parts stopped arriving this long: the update is withdrawn (a host whose
 # part was refused, or lost with its agent, does not send it again).
 STALL_S = 300.0
-
-
-class PartsStalled(PushAborted):
-    """The site's other hosts' parts stopped arriving: the update is withdrawn."""
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,7 @@ import grpc
 
 from site_client.agent_state import AgentConfig, AgentState, Offer
 from site_client.compression import CODEC_STATE_FILE, save_codec_state
-from site_client.errors import CoordinatorError, PushAborted
-from site_client.node_push import PartsStalled
+from site_client.errors import CoordinatorError, PartsStalled, PushAborted
 from site_client.tasks import describe, task_of
 from site_client.theta_fetch import GlobalState
 from site_client.timings import record
