@@ -94,6 +94,7 @@ class Upload:
     # every node pushes under ``upload_id``.
     part: object | None = None
     upload_id: str | None = None
+    early: bool = False  # refused as early: pushed again once its round is open here
 
     def discard_files(self) -> None:
         for path in self.paths:
@@ -271,8 +272,10 @@ class TaskBook:
             self.delivered[upload.task] = upload
 
     def hold(self, upload: Upload) -> None:
-        """The push of ``upload`` waits (the coordinator is at an earlier round)."""
+        """The push of ``upload`` waits (the coordinator is at an earlier round, or has not
+        opened this one yet)."""
         self.pushing = False
+        upload.early = True
 
     def wanted_again(self, info: pb.RoundInfo | None) -> Task | None:
         """The delivered task ``info`` asks for again, if this site still holds its update."""

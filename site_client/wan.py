@@ -80,7 +80,7 @@ class WanWorker:
         if s.book.wanted_again(s.info) is not None:
             return "resend"
         upload = s.book.next_upload()
-        if upload is not None and (s.info.finished or upload.task.round <= s.info.round):
+        if upload is not None and _may_push(upload, s.info):
             return "push"
         task = task_of(s.info)
         wanted = s.info.finished or (task is not None and not s.book.done(task))
@@ -255,12 +255,15 @@ class WanWorker:
             raise
 
     def _behind(self, round_number: int) -> bool:
-        """Whether the coordinator is at a round before ``round_number`` (asked afresh)."""
+        """Whether the coordinator is at a round before ``round_number``, or at that round
+        but has not opened it to this site yet (asked afresh: a restarted or new leader
+        replaying the round before)."""
         reply = self.client.heartbeat()
         self.state.heard(reply.round, reply.commands)
         with self.state.cond:
             info = self.state.info
-            return not info.finished and info.round < round_number
+            unopened = info.round == round_number and not info.participant
+            return not info.finished and (info.round < round_number or unopened)
 
     def _settle_residuals(self, job, counted: bool, residuals, outcome: str) -> None:
         if counted:
@@ -280,6 +283,14 @@ class WanWorker:
             "wan_bytes_received": self.client.bytes_received,
         }
         (self.cfg.run_dir / "final.json").write_text(json.dumps(final))
+
+
+def _may_push(upload, info) -> bool:
+    """Whether ``upload`` may go now: its round is the coordinator's or past, and a push
+    refused as early waits until the round is open to this site."""
+    if info.finished or upload.task.round < info.round:
+        return True
+    return upload.task.round == info.round and (info.participant or not upload.early)
 
 
 def _holds(ready: Offer | None, info) -> bool:

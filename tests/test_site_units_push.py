@@ -128,3 +128,19 @@ def test_abort_ends_the_stream_early_and_raises(client) -> None:
     stub = use(client, FakeStub())
     assert client.push(0, DELTA, data_unit="u1", abort=lambda: False).complete
     assert stub.chunks == 4
+
+
+def test_an_update_refused_as_early_waits_until_its_round_is_open_to_the_site():
+    """A new leader replaying the round before numbers the next one before it opens it: an
+    update refused then waits for the round to open instead of being dropped."""
+    from site_client.tasks import Task, Upload
+    from site_client.wan import _may_push
+    from wire.proto import isthmus_pb2 as pb
+
+    upload = Upload(Task(2, ""), [], 1.0, 2)
+    assert _may_push(upload, pb.RoundInfo(round=2, participant=False))  # not refused yet
+    upload.early = True
+    assert not _may_push(upload, pb.RoundInfo(round=1, participant=True))
+    assert not _may_push(upload, pb.RoundInfo(round=2, participant=False))  # not open yet
+    assert _may_push(upload, pb.RoundInfo(round=2, participant=True))
+    assert _may_push(upload, pb.RoundInfo(round=3, participant=False))  # late: sent, refused
