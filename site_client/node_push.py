@@ -60,17 +60,11 @@ class PartsPush:
         self.part: SitePart = push.part
 
     def attempt(self) -> pb.PushReply:
-        p = self.push
-        if p.abort():
-            raise p.withdrawn()
-        granted = p.reserve(keep_open=True)
-        held = held_ranges(granted)
-        todo = [(piece, held.resume_at(piece)) for piece in p.pieces()]
-        todo = [(piece, start) for piece, start in todo if start < piece.end]
-        p.tries += 1
+        p, pieced = self.push, PiecedPush(self.push)
+        held, todo = pieced.reserve()
         mine = held.covered_in(self.part.offset, self.part.end)
         p.progress.start(f"push round {p.round} (this node's part)", self.part.length, mine)
-        PiecedPush(p).send(todo)
+        pieced.send(todo)
         if not self.part.completes:
             return pb.PushReply(acked_offset=self.part.end, message="this node's part is in")
         if not p.wait_for_hold():

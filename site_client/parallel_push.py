@@ -45,16 +45,21 @@ class PiecedPush:
         self.push, self.client = push, push.client
         self._count_lock = threading.Lock()
 
-    def attempt(self) -> pb.PushReply:
+    def reserve(self) -> tuple[ReceivedRanges, list[tuple[Piece, int]]]:
+        """Start an attempt: the receive slot, what the coordinator holds already, and the
+        pieces of ``push.pieces()`` still to send, each from where its held bytes end."""
         p = self.push
         if p.abort():
             raise p.withdrawn()
         # Kept open: a resumed upload whose bytes are all in must still wait for ``hold``.
-        granted = p.reserve(keep_open=True)
-        held = held_ranges(granted)
+        held = held_ranges(p.reserve(keep_open=True))
         todo = [(piece, held.resume_at(piece)) for piece in p.pieces()]
-        todo = [(piece, start) for piece, start in todo if start < piece.end]
         p.tries += 1
+        return held, [(piece, start) for piece, start in todo if start < piece.end]
+
+    def attempt(self) -> pb.PushReply:
+        p = self.push
+        held, todo = self.reserve()
         # Resumed: progress stands at what the coordinator holds; resent bytes count as moved.
         p.progress.start(f"push round {p.round}", p.payload.total_bytes, held.covered())
         self.send(todo)
