@@ -31,6 +31,7 @@ import torch
 
 from site_client.errors import CoordinatorError
 from site_client.fetch_pieces import PieceStream
+from site_client.theta_fetch import MappedSink
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
 from wire.safetensors_io import create_mapped
@@ -86,14 +87,6 @@ def ranges_for(manifest: Manifest, boxes: Iterable[Box], block: int) -> list[Pie
     return [Piece(start, end - start) for start, end in covered.spans]
 
 
-class _Sink:
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-
-    def write_at(self, offset: int, data) -> None:
-        self.view[offset : offset + len(data)] = data
-
-
 def first_header(client, version: int) -> pb.FetchHeader:
     """The header of theta ``version`` with its block digests (one byte of payload asked for)."""
 
@@ -129,7 +122,8 @@ def fetch_boxes(client, version: int, theta_hash: str, boxes: list[Box] | None, 
         file = create_mapped(dest, manifest)
     except PayloadError as exc:
         raise CoordinatorError(None, f"fetch: bad payload from coordinator: {exc}") from exc
-    view = file.payload()
+    sink = MappedSink(file)
+    view = sink.view
     moved = [0]
     for piece in pieces:
         PieceStream(
@@ -137,7 +131,7 @@ def fetch_boxes(client, version: int, theta_hash: str, boxes: list[Box] | None, 
             client.bulk,
             first,
             piece,
-            _Sink(view),
+            sink,
             _counter(client, moved),
             threading.Event(),
         ).run()

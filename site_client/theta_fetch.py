@@ -50,7 +50,7 @@ class GlobalState:
     file: MappedTensors | None = None
 
 
-class _MappedSink:
+class MappedSink:
     """Writes a stream into a new mapped file's data section: in order (``write``), or each
     piece at its offset (``write_at``, a parallel fetch)."""
 
@@ -78,7 +78,7 @@ def _sink_for(manifest: Manifest, delta: bool, dest: Path | None):
     if dest is None or delta:
         return BufferSink(manifest.total_bytes)
     try:
-        return _MappedSink(create_mapped(dest, manifest))
+        return MappedSink(create_mapped(dest, manifest))
     except PayloadError:  # not a safetensors layout: keep it in memory
         return BufferSink(manifest.total_bytes)
 
@@ -122,7 +122,7 @@ class ThetaFetcher:
         return whole
 
     def _whole(self, manifest: Manifest, sink, header, dest: Path | None) -> GlobalState:
-        if isinstance(sink, _MappedSink):
+        if isinstance(sink, MappedSink):
             file = sink.file
             file.flush()
             return GlobalState(header.version, file.tensors, header.theta_hash, dest, file)
