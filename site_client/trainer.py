@@ -365,7 +365,7 @@ class SiteSession:
         r, v, h, total, finished, unit, index, sites, drained = (int(x) for x in fields.tolist())
         if drained:
             self._leave_drained()
-        path = self._agree_on(reply.get("theta_path", ""))
+        path = self.nodes.broadcast_text(reply.get("theta_path", ""))
         if self.nodes.multi:  # this node's own copy, and the task for the other nodes
             path, self._task = self.nodes.theta_here(path, reply, self.node_ipc, self._boxes)
         if not finished:  # the final theta is no round of this site's
@@ -386,15 +386,6 @@ class SiteSession:
         here = (self.site, round_number, 0, self.rank, self.restart_count)
         fault = fault_at(self.faults, *here, actions=("slow_probe",))
         return fault.seconds if fault is not None else 0.0
-
-    def _agree_on(self, text: str) -> str:
-        """Rank 0's ``text`` on every rank (the theta file's path; no pickle)."""
-        raw = torch.zeros(4096, dtype=torch.uint8)
-        if self.is_driver:
-            data = text.encode()[:4096]
-            raw[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-        dist.broadcast(raw, src=self.nodes.driver)
-        return bytes(raw.tolist()).rstrip(b"\0").decode()
 
     def _timing(self, kind: str, started: float, **fields) -> None:
         if self.is_driver:

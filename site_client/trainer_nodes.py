@@ -47,6 +47,7 @@ class SiteNodes:
             self.node_of = [int(t.item()) for t in every]
         self.driver = self.node_of.index(0)
         self.leader = self.node_of.index(self.node)
+        self._boxes: tuple[list | None, list] | None = None  # (this rank's, every rank's)
 
     @property
     def multi(self) -> bool:
@@ -67,7 +68,7 @@ class SiteNodes:
     # ---- text between ranks ---------------------------------------------------------------
 
     def broadcast_text(self, text: str) -> str:
-        """The driver's ``text`` on every rank."""
+        """The driver's ``text`` on every rank (the theta file's path, the task; no pickle)."""
         data = text.encode() if self.is_driver else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
         dist.broadcast(size, src=self.driver)
@@ -111,7 +112,10 @@ class SiteNodes:
         its node's ranks, and every rank of the node maps that file."""
         keys = ("version", "theta_hash", "lease")
         task = json.loads(self.broadcast_text(json.dumps({k: reply.get(k) for k in keys})))
-        every = [json.loads(t) for t in self.gather_texts(json.dumps(boxes))]
+        if self._boxes is None or self._boxes[0] is not boxes:
+            # Each rank's boxes do not change from round to round: gathered once per model.
+            self._boxes = (boxes, [json.loads(t) for t in self.gather_texts(json.dumps(boxes))])
+        every = self._boxes[1]
         mine = ""
         if self.is_leader and self.node == 0:
             mine = driver_path
