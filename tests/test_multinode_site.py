@@ -58,6 +58,15 @@ def start_node(
     )
 
 
+def every_round_closed_with_both_sites(tmp: Path) -> str:
+    """Assert each round closed with one update of each site; the final theta's hash."""
+    ckpts = tmp / "state" / "checkpoints"
+    for r in range(1, ROUNDS + 1):
+        meta = json.loads((ckpts / f"round-{r:08d}" / "meta.json").read_text())
+        assert meta["closed_round"]["sites"] == ["site-0", "site-1"]
+    return json.loads((ckpts / f"round-{ROUNDS:08d}" / "meta.json").read_text())["theta_sha256"]
+
+
 def pushes(run_dir: Path) -> list[dict]:
     lines = (run_dir / "timings.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == "push"]
@@ -82,11 +91,7 @@ def test_a_site_of_two_hosts_pushes_one_update_in_two_parts(tmp_path):
         coord.stop()
 
     # One update per site per round: the coordinator saw site-0 once, never "site-0-node1".
-    ckpts = tmp_path / "state" / "checkpoints"
-    for r in range(1, ROUNDS + 1):
-        meta = json.loads((ckpts / f"round-{r:08d}" / "meta.json").read_text())
-        assert meta["closed_round"]["sites"] == ["site-0", "site-1"]
-    final = json.loads((ckpts / f"round-{ROUNDS:08d}" / "meta.json").read_text())["theta_sha256"]
+    final = every_round_closed_with_both_sites(tmp_path)
     assert json.loads((tmp_path / "site-0-node0" / "final.json").read_text())["theta_hash"] == final
     node1_log = (tmp_path / "site-0-node1.log").read_text()
     assert f"theta_{ROUNDS} ({final[:12]})" in node1_log, node1_log[-2000:]
@@ -131,11 +136,7 @@ def test_two_sites_of_two_hosts_survive_a_killed_node_agent(tmp_path):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
         coord.stop()
-    ckpts = tmp_path / "state" / "checkpoints"
-    for r in range(1, ROUNDS + 1):
-        meta = json.loads((ckpts / f"round-{r:08d}" / "meta.json").read_text())
-        assert meta["closed_round"]["sites"] == ["site-0", "site-1"]
-    final = json.loads((ckpts / f"round-{ROUNDS:08d}" / "meta.json").read_text())["theta_sha256"]
+    final = every_round_closed_with_both_sites(tmp_path)
     for site in ends:
         done = json.loads((tmp_path / f"{site}-node0" / "final.json").read_text())
         assert done["theta_hash"] == final

@@ -88,6 +88,12 @@ def status(coord, pki) -> pb.StatusReply:
         channel.close()
 
 
+def standing(coord, pki) -> tuple[int, int]:
+    """(open round, updates counted in it): what a refused push must leave as it was."""
+    reply = status(coord, pki)
+    return reply.round.round, reply.updates_received
+
+
 SHAPES = {"lin.weight": (1024, 2048), "lin.bias": (1024,)}  # 8 MiB and 4 KiB: 9 chunks of 1 MiB
 
 
@@ -205,7 +211,7 @@ def test_bad_pieces_are_refused_and_change_nothing(coord, pki):
     _, payload = update(2)
     raw = RawPusher(coord, pki, 2, payload, "bad-pieces")
     total = payload.total_bytes
-    before = status(coord, pki)
+    before = standing(coord, pki)
     try:
         assert raw.push(reserve=True).granted
         assert raw.push((0, 4 * MB), [(0, MB)]).acked_offset == MB
@@ -229,11 +235,7 @@ def test_bad_pieces_are_refused_and_change_nothing(coord, pki):
         reply = raw.push((0, 4 * MB))
         held = [(r.offset, r.length) for r in reply.received]
         assert reply.acked_offset == MB and held == [(0, MB), (4 * MB, MB)]
-        after = status(coord, pki)
-        assert (after.round.round, after.updates_received) == (
-            before.round.round,
-            before.updates_received,
-        )
+        assert standing(coord, pki) == before
     finally:
         raw.close()
 
@@ -352,10 +354,8 @@ class ScriptedReceiver:
         return pb.PushReply(acked_offset=self.have.resume_at(piece))
 
 
-def test_a_broken_piece_asks_where_it_stands_and_resumes_there():
-    chunk = 128 << 10
-    payload = payload_of(*pack({"w": torch.arange(1 << 20, dtype=torch.float32)}))  # 4 MiB
-    fake = ScriptedReceiver(payload.total_bytes, break_at=2 * MB)  # a piece of 2 chunks
+def push_to(fake: ScriptedReceiver, payload, chunk: int) -> CoordinatorClient:
+    """Push ``payload`` to ``fake`` in chunks of ``chunk`` bytes; it must arrive whole."""
     c = CoordinatorClient(fake.address, "site-a", backoff=FAST_BACKOFF, chunk_bytes=chunk)
     try:
         c.join()
@@ -364,6 +364,14 @@ def test_a_broken_piece_asks_where_it_stands_and_resumes_there():
         c.close()
         fake.server.stop(grace=None)
     assert bytes(fake.data) == payload_bytes(payload)
+    return c
+
+
+def test_a_broken_piece_asks_where_it_stands_and_resumes_there():
+    chunk = 128 << 10
+    payload = payload_of(*pack({"w": torch.arange(1 << 20, dtype=torch.float32)}))  # 4 MiB
+    fake = ScriptedReceiver(payload.total_bytes, break_at=2 * MB)  # a piece of 2 chunks
+    c = push_to(fake, payload, chunk)
     mine = [first for start, first in fake.streams if start == 2 * MB]
     # The stream broke after its first chunk; a header alone then asked where the piece
     # stood, and the next stream went on from its second chunk.
@@ -416,14 +424,7 @@ def test_each_stream_sends_its_next_piece_while_the_last_ones_reply_is_on_its_wa
     chunk = 128 << 10
     payload = payload_of(*pack({"w": torch.arange(1 << 20, dtype=torch.float32)}))  # 4 MiB
     fake = HoldingReceiver(payload.total_bytes)
-    c = CoordinatorClient(fake.address, "site-a", backoff=FAST_BACKOFF, chunk_bytes=chunk)
-    try:
-        c.join()
-        assert c.push(0, payload, base_version=0).complete
-    finally:
-        c.close()
-        fake.server.stop(grace=None)
-    assert bytes(fake.data) == payload_bytes(payload)
+    push_to(fake, payload, chunk)
     pieces = len(plan_pieces(payload.total_bytes, chunk, 2))
     # Every piece but each stream's last was followed before its reply left; never more
     # than two pushes at once on a stream (the coordinator allows 2 K per site).

@@ -10,7 +10,15 @@ from dataclasses import replace
 import grpc
 import pytest
 import torch
-from test_parallel_push import RawPusher, assert_stepped, client, coord, pki, status
+from test_parallel_push import (
+    RawPusher,
+    assert_stepped,
+    client,
+    coord,
+    pki,
+    standing,
+    status,
+)
 
 from site_client.node_parts import NodePart, site_layout
 from site_client.update_payload import payload_of
@@ -187,15 +195,11 @@ def test_an_update_whose_part_was_damaged_is_refused_and_not_counted(coord, pki)
         m = manifest.to_proto()
         assert raw.push(reserve=True, manifest=m).granted
         push_parts(raw, manifest, raw.data)
-        before = status(coord, pki)
+        before = standing(coord, pki)
         with pytest.raises(grpc.RpcError) as err:
             raw.push(reserve=True, manifest=m)
         assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value
-        after = status(coord, pki)
-        assert (after.round.round, after.updates_received) == (
-            before.round.round,
-            before.updates_received,
-        )
+        assert standing(coord, pki) == before
     finally:
         raw.close()
         c.close()
