@@ -223,8 +223,6 @@ class WanWorker:
         resend = job.payload is not None and job.part is None  # a part is placed at hand-off
         if job.payload is None:
             job.payload = build_payload(job.paths, self.compression, self.codec_state)
-        # A multi-node site: this host's part, under the id every node pushes its part with.
-        parts = {"upload_id": job.upload_id, "part": job.part} if job.part is not None else {}
         try:
             reply = self.client.push(
                 job.task.round,
@@ -234,7 +232,9 @@ class WanWorker:
                 data_unit=job.task.unit,
                 abort=lambda: job.aborted,
                 hold=job.durable,
-                **parts,
+                # A multi-node site: this host's part, under the id every node pushes with.
+                upload_id=job.upload_id,
+                part=job.part,
             )
             return reply.message, True
         except PartsStalled as exc:

@@ -65,7 +65,9 @@ class FakeClient:
         file = map_tensors(dest)
         return GlobalState(version, file.tensors, self.theta_hash, dest, file)
 
-    def push(self, round_number, payload, *, weight, base_version, data_unit, abort, hold):
+    def push(
+        self, round_number, payload, *, weight, base_version, data_unit, abort, hold, **_parts
+    ):
         # The agent encoded the payload (and moved the residuals) before calling.
         self.pushes.append(
             {
