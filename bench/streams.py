@@ -4,30 +4,37 @@
 
     python -m bench.streams [--delay-ms 40] [--rate-mbit 200] [--mib 64] [--streams 1,2,4,8]
         [--queue-kib BDP] [--repeats 3] [--mtu 1500] [--congestion cubic]
+        [--slow-start-after-idle 0]
 
 On a packet-level emulated WAN (``bench.wan_link``: two network namespaces, a relay with one
 tail-drop bottleneck queue per direction and a one-way delay, cubic, the kernel's stock TCP
-buffers), ``--mib`` MiB cross from namespace a to b over K = 1, 2, 4, 8 raw TCP streams in
-parallel, each carrying 1/K of the bytes, and over K > 1 streams sharing the bytes (each
-takes the next MiB while any is left: what the product's one queue of pieces could reach on
-fresh connections); then a real ``coordinator serve`` in b and a site client in a fetch theta
-and push an update of that size over each K (``[transfer] streams``, one round per K and
-repeat). Efficiency is bytes / (time * rate); times run from the first byte sent (for the
-product: the call) to the receiver's reply on an open connection, so even a perfect transfer
-pays one round trip and the packets' headers (the "ideal" line). Each row is the median of
-``--repeats`` runs. The header also says how much of a core the relay used and how late it
-wrote packets. Last, the relay's own ceiling: no delay and no rate cap. Last line::
+buffers, and ``net.ipv4.tcp_slow_start_after_idle`` as asked: 0, the usual tuning of a WAN
+host, by default), ``--mib`` MiB cross from namespace a to b over K = 1, 2, 4, 8 raw TCP
+streams in parallel, each carrying 1/K of the bytes, and over K > 1 streams sharing the bytes
+(each takes the next MiB while any is left: what the product's one queue of pieces could reach
+on fresh connections); then a real ``coordinator serve`` in b and a site client in a fetch
+theta and push an update of that size over each K (``[transfer] streams``, with
+``keep_connections``; one round per K and repeat). A K's first round is its connections'
+first transfer (a job's first round); the later ones run on the connections as that left
+them (every later round of a job). Efficiency is bytes / (time * rate); times run from the
+first byte sent (for the product: the call) to the receiver's reply on an open connection, so
+even a perfect transfer pays one round trip and the packets' headers (the "ideal" line). Each
+row is the median of ``--repeats`` runs (for the product's later rounds, of ``--repeats`` - 1).
+The header also says how much of a core the relay used and how late it wrote packets. Last,
+the relay's own ceiling: no delay and no rate cap. Last line::
 
     efficiency_1=... efficiency_2=... efficiency_4=... efficiency_8=... efficiency_best=...
     best_streams=... raw_tcp_efficiency=... raw_tcp_efficiency_1=... raw_tcp_efficiency_2=...
     ... raw_tcp_shared_efficiency_2=... ... push_efficiency_1=... push_efficiency_2=... ...
-    push_efficiency_best=... push_best_streams=... relay_ceiling_mbit=...
+    push_efficiency_best=... push_best_streams=... first_efficiency_best=...
+    first_push_efficiency_best=... slow_start_after_idle=... relay_ceiling_mbit=...
 
-``efficiency_K`` is the product's fetch over K streams, ``efficiency_best`` the best of them
-at ``best_streams``; ``raw_tcp_efficiency`` is the single raw TCP stream (the reference),
-``raw_tcp_efficiency_K`` raw TCP with K streams in equal shares and
-``raw_tcp_shared_efficiency_K`` sharing the bytes; ``push_efficiency_K`` the product's push
-over K streams. Without root or ``/dev/net/tun`` it prints why and ends with ``skipped=...``.
+``efficiency_K`` is the product's fetch over K streams in the rounds after the first,
+``efficiency_best`` the best of them at ``best_streams``; ``raw_tcp_efficiency`` is the
+single raw TCP stream (the reference), ``raw_tcp_efficiency_K`` raw TCP with K streams in
+equal shares and ``raw_tcp_shared_efficiency_K`` sharing the bytes; ``push_efficiency_K`` the
+product's push over K streams after the first round; ``first_...`` the best of the first
+rounds. Without root or ``/dev/net/tun`` it prints why and ends with ``skipped=...``.
 """
 
 from __future__ import annotations
@@ -97,9 +104,11 @@ def isthmus(
         direction, sender = ("b_to_a", "b") if key[0] == "fetch" else ("a_to_b", "a")
         dropped = _delta(after[direction], before[direction], "dropped")
         retrans = _delta(link.tcp_counters(sender), counters[sender], "RetransSegs")
-        out[key] = [
+        timed = [
             {"seconds": s, "bytes": n, "dropped": dropped, "retrans": retrans} for s, n in timed
         ]
+        # A job's first round opens its connections; every later one runs on them (kept).
+        out[(f"{key[0]}-first", key[1])], out[key] = timed[:1], timed[1:] or timed[:1]
     return out
 
 
@@ -155,7 +164,8 @@ def header(args, link: WanLink, raw: list[dict], relay: dict) -> list[str]:
         f"bottleneck: {link.queue_bytes / 1024:.0f} KiB FIFO per direction "
         f"({link.queue_bytes / link.bdp_bytes:.2f} BDP), tail drop; MTU {link.mtu}; "
         f"relay {link.relay_priority}",
-        f"TCP in both namespaces: {congestion}, tcp_rmem {link.tcp_rmem}, tcp_wmem {link.tcp_wmem}",
+        f"TCP in both namespaces: {congestion}, tcp_rmem {link.tcp_rmem}, tcp_wmem {link.tcp_wmem}"
+        f", tcp_slow_start_after_idle {int(link.slow_start_after_idle)}",
         f"ideal for {args.mib:g} MiB: packets / rate + 1 RTT = {ideal + rtt:.3f} s, "
         f"efficiency {ideal * payload_share / (ideal + rtt):.3f} ({payload_share:.3f} of "
         f"the rate is payload in {link.mtu}-byte packets)",
@@ -185,7 +195,12 @@ def report(args, lines: list[str], rows: dict, ceiling: dict[int, dict]) -> str:
         print(_row("raw TCP, K streams", k, s))
     for k, s in shared.items():
         print(_row("raw TCP, K sharing bytes", k, s))
-    labels = {"fetch": "isthmus fetch (theta)", "push": "isthmus push (update)"}
+    labels = {
+        "fetch-first": "isthmus fetch, 1st round",
+        "fetch": "isthmus fetch, later",
+        "push-first": "isthmus push, 1st round",
+        "push": "isthmus push, later",
+    }
     product = {
         key: summary(runs, rate)
         for key, runs in rows.items()
@@ -200,19 +215,26 @@ def report(args, lines: list[str], rows: dict, ceiling: dict[int, dict]) -> str:
         top = max(top, s["mbit"])
         pps = statistics.median(r["packets_per_s"] for r in runs)
         print(f"  {k} stream(s): {s['mbit']:.0f} Mbit/s, {pps:.0f} packets/s through the relay")
-    return " ".join([*closing_keys(raw, shared, product), f"relay_ceiling_mbit={top:.0f}"])
+    idle = f"slow_start_after_idle={args.slow_start_after_idle}"
+    return " ".join([*closing_keys(raw, shared, product), idle, f"relay_ceiling_mbit={top:.0f}"])
 
 
 def closing_keys(
     raw: dict[int, dict], shared: dict[int, dict], product: dict[tuple[str, int], dict]
 ) -> list[str]:
     """The last line's figures: the product's fetch per K and its best, raw TCP per K (equal
-    shares, then sharing one pool), the product's push per K and its best."""
+    shares, then sharing one pool), the product's push per K and its best, the best of the
+    product's first rounds."""
     keys = _per_k(product, "fetch", "efficiency", "")
     keys.append(f"raw_tcp_efficiency={raw[min(raw)]['efficiency']:.3f}")
     keys += [f"raw_tcp_efficiency_{k}={raw[k]['efficiency']:.3f}" for k in sorted(raw)]
     keys += [f"raw_tcp_shared_efficiency_{k}={shared[k]['efficiency']:.3f}" for k in sorted(shared)]
-    return keys + _per_k(product, "push", "push_efficiency", "push_")
+    keys += _per_k(product, "push", "push_efficiency", "push_")
+    firsts = {"fetch-first": "first_efficiency_best", "push-first": "first_push_efficiency_best"}
+    for kind, name in firsts.items():
+        effs = [s["efficiency"] for (what, _), s in product.items() if what == kind]
+        keys += [f"{name}={max(effs):.3f}"] if effs else []
+    return keys
 
 
 def _per_k(product: dict, kind: str, name: str, prefix: str) -> list[str]:
@@ -234,6 +256,14 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="runs per row (the median is shown)")
     p.add_argument("--mtu", type=int, default=1500)
     p.add_argument("--congestion", default="cubic", help="TCP congestion control on the link")
+    p.add_argument(
+        "--slow-start-after-idle",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="net.ipv4.tcp_slow_start_after_idle in both namespaces (0: a tuned WAN host; "
+        "1: Linux's default)",
+    )
     p.add_argument("--no-isthmus", action="store_true", help="raw TCP only")
     p.add_argument("--keep", type=Path, help="keep the coordinator's folder here")
     return p.parse_args(argv)
@@ -280,7 +310,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     queue = int(args.queue_kib * 1024) if args.queue_kib else None
     delay = args.delay_ms / 1e3
-    link = WanLink(delay, args.rate_mbit, queue, mtu=args.mtu, congestion=args.congestion)
+    idle = bool(args.slow_start_after_idle)
+    link = WanLink(
+        delay,
+        args.rate_mbit,
+        queue,
+        mtu=args.mtu,
+        congestion=args.congestion,
+        slow_start_after_idle=idle,
+    )
     with tempfile.TemporaryDirectory(prefix="isthmus-streams-") as tmp, link:
         lines, rows, ceiling = measure(link, args, args.keep or Path(tmp))
     print(report(args, lines, rows, ceiling))

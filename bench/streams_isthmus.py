@@ -2,13 +2,15 @@
 
 The site is a lightweight client speaking the real protocol (``CoordinatorClient``, as in
 ``bench.scale``), plaintext: TLS changes the CPU cost, not what the link does to one stream.
-Each round it fetches theta_r whole and pushes a float32 update of the same size over one of
-the stream counts asked for (``[transfer] streams``: the job allows the largest, the site
-takes each in turn, round after round, each K on connections of its own); every call is timed
-from the client, on connections opened before the first round, so the figures compare with a
-raw TCP stream's first byte to receipt (``bench.streams_tcp``). The job is DiLoCo on a
-residual Linear stack of about the requested size, one site, ``repeats`` rounds per stream
-count.
+Each round it fetches theta_r whole into a safetensors file, as an agent does, and pushes a
+float32 update of the same size over one of the stream counts asked for (``[transfer]
+streams``: the job allows the largest, the site takes each in turn, round after round, each K
+on connections of its own, which its pushes use too: ``[transfer] keep_connections``); every
+call is timed from the client, on connections opened before the first round, so the figures
+compare with a raw TCP stream's first byte to receipt (``bench.streams_tcp``). A K's first
+round is its connections' first transfer; later rounds find them as the round before left
+them. The job is DiLoCo on a residual Linear stack of about the requested size, one site,
+``repeats`` rounds per stream count.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import math
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,15 +53,17 @@ def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) 
     # would ramp up slowly. They share the site's lease (one site, one join).
     clients = {k: CoordinatorClient(address, "site-0", transfer_timeout_s=600) for k in streams}
     for k, client in clients.items():
-        client.lease, client.transfer = main.lease, TransferConfig(streams=k)
+        client.lease, client.transfer = main.lease, TransferConfig(k, keep_connections=True)
         client.connect_streams(k)
+    scratch = Path(tempfile.mkdtemp(prefix="isthmus-streams-site-"))
     try:
         for r in range(rounds):
             k = streams[r % len(streams)]
             client = clients[k]
             main.wait_for_round(r - 1, poll_s=0.2)
+            dest = scratch / f"theta-{r}.safetensors"
             t = time.monotonic()
-            theta = client.fetch().theta  # theta_r, whole
+            theta = client.fetch(dest=dest).theta  # theta_r, whole
             # The payload's bytes, not the bytes received: a piece one stream takes over from
             # another at the end of a fetch may come twice (site_client.fetch_endgame).
             took = (time.monotonic() - t, sum(v.nbytes for v in theta.values()))
@@ -67,10 +72,13 @@ def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) 
             client.push(r, payload, base_version=r)
             took = (time.monotonic() - t, payload.total_bytes)
             timings["push"].setdefault(str(k), []).append(took)
+            del theta
+            dest.unlink()
         main.leave("done")
     finally:
         for client in [main, *clients.values()]:
             client.close()
+        shutil.rmtree(scratch, ignore_errors=True)
     return timings
 
 
@@ -84,7 +92,7 @@ def _job(folder: Path, listen: str, width: int, depth: int, rounds: int, streams
     # default 8, a site of 8 streams would be sent 4 and have the others refused and retried.
     server = f'listen = "{listen}:0"\nconcurrent_fetches = {2 * streams}'
     text = text.replace('listen = "127.0.0.1:0"', server)
-    text += f"\n[transfer]\nstreams = {streams}\n"
+    text += f"\n[transfer]\nstreams = {streams}\nkeep_connections = true\n"
     (folder / "job.toml").write_text(text)
     return folder / "job.toml"
 

@@ -80,6 +80,11 @@ class WanLink:
         TCP congestion control for connections over the link (``ip route ... congctl``).
     realtime
         Run the relay at real-time priority where allowed (see ``wan_relay.raise_priority``).
+    slow_start_after_idle
+        ``net.ipv4.tcp_slow_start_after_idle`` in both namespaces: Linux's default (``True``)
+        starts a connection's window over after it sat idle for a retransmission timeout, so a
+        connection kept from round to round of a job ramps up afresh every round; ``False`` is
+        the usual tuning of WAN hosts, where a kept connection keeps its window.
     """
 
     def __init__(
@@ -93,8 +98,10 @@ class WanLink:
         tcp_rmem: str = TCP_RMEM,
         tcp_wmem: str = TCP_WMEM,
         realtime: bool = True,
+        slow_start_after_idle: bool = True,
     ) -> None:
         self.mtu, self.congestion, self.realtime = mtu, congestion, realtime
+        self.slow_start_after_idle = slow_start_after_idle
         self.relay_priority = "not started"
         self.tcp_rmem, self.tcp_wmem = tcp_rmem, tcp_wmem
         self.delay_s, self.rate_mbit = delay_s, rate_mbit
@@ -161,6 +168,7 @@ class WanLink:
         sysctls = ["net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"]
         sysctls += [f"net.ipv4.tcp_rmem={self.tcp_rmem}", f"net.ipv4.tcp_wmem={self.tcp_wmem}"]
         sysctls += ["net.ipv4.tcp_no_metrics_save=1"]  # no ssthresh carried between runs
+        sysctls += [f"net.ipv4.tcp_slow_start_after_idle={int(self.slow_start_after_idle)}"]
         netns.run([self.ip, "netns", "exec", ns, "sysctl", "-q", "-w", *sysctls])
         dev = self.devices[side]
         netns.configure(self.ip, ns, dev, addr, SUBNET, self.mtu, self.congestion)

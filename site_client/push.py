@@ -175,10 +175,7 @@ class UpdatePush:
             # attempt would start connecting afresh each time, and on a slow link never get
             # there.
             with contextlib.ExitStack() as held:
-                self.connections = [
-                    held.enter_context(self.client.upload_connection())
-                    for _ in range(self.streams())
-                ]
+                self.connections = self._connections(held)
                 # None: this host of a multi-node site has nothing to send, only to ask.
                 self._bulk = self.connections[0] if self.connections else self.client.bulk
                 reply = self.client.call("push", self.attempt)
@@ -193,6 +190,13 @@ class UpdatePush:
             return pb.PushReply(complete=True, message=f"already counted: {exc}")
         finally:
             self.progress.finish(complete)
+
+    def _connections(self, held: contextlib.ExitStack) -> list:
+        """One connection per stream: the site's kept ones (``[transfer] keep_connections``),
+        or the upload's own, closed when ``held`` closes."""
+        if self.client.transfer.keep_connections:
+            return self.client.stream_stubs(self.streams())
+        return [held.enter_context(self.client.upload_connection()) for _ in range(self.streams())]
 
 
 def _all_in(reply: pb.PushReply, push: UpdatePush) -> bool:

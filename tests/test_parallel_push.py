@@ -430,3 +430,23 @@ def test_each_stream_sends_its_next_piece_while_the_last_ones_reply_is_on_its_wa
     # than two pushes at once on a stream (the coordinator allows 2 K per site).
     assert len(fake.followed) == pieces and fake.followed.count(False) == 2, fake.followed
     assert fake.most_open <= 4
+
+
+def test_kept_connections_carry_the_push_and_stay_open_for_the_next(coord, pki):
+    c = client(coord.address, pki, K)
+    c.transfer = TransferConfig(streams=K, keep_connections=True)
+    opened: list = []
+    c.upload_connection = lambda: opened.append(1)  # must not be asked for one
+    try:
+        theta = c.fetch()
+        kept = c.streams.channels(c.address, K - 1)
+        delta, payload = update(1)
+        r = c.wait_for_round(-1, poll_s=0.05).round
+        assert c.push(r, payload, base_version=theta.version).complete
+        c.wait_for_round(r, poll_s=0.05)
+        assert_stepped(theta, c.fetch(), delta)
+        # The same extra connections as the fetch's, still open after the push.
+        assert c.streams.channels(c.address, K - 1) == kept and len(kept) == K - 1
+        assert not opened
+    finally:
+        c.close()

@@ -125,6 +125,8 @@ def test_transfer_defaults_to_one_stream_and_reads_k(tmp_path):
     assert cfg.transfer.streams == 8
     assert transfer_from_toml(b"[transfer]\nstreams = 3\n") == TransferConfig(3)
     assert transfer_from_toml(b"") == TransferConfig()
+    kept = transfer_from_toml(b"[transfer]\nkeep_connections = true\n")
+    assert kept.keep_connections and not TransferConfig().keep_connections
 
 
 @pytest.mark.parametrize(
@@ -137,6 +139,8 @@ def test_transfer_defaults_to_one_stream_and_reads_k(tmp_path):
         ("streams = true", "transfer.streams: expected an integer, got a boolean"),
         ('streams = "4"', "transfer.streams: expected an integer"),
         ("stream = 4", "transfer.stream: unknown key"),
+        ("keep_connections = 1", "transfer.keep_connections: expected"),
+        ('keep_connections = "yes"', "transfer.keep_connections: expected"),
     ],
 )
 def test_bad_transfer_tables_are_refused_at_load(tmp_path, table, words):
