@@ -20,6 +20,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench.wan_link import WanLink
@@ -41,7 +42,6 @@ def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) 
     from site_client.coordinator_client import CoordinatorClient
     from site_client.update_payload import payload_of
     from wire.tensors import pack
-    from wire.transfer import TransferConfig
 
     like = residual_stack(width, depth).state_dict()
     payload = payload_of(*pack({n: torch.full_like(t, 1e-3) for n, t in like.items()}))
@@ -53,7 +53,7 @@ def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) 
     # would ramp up slowly. They share the site's lease (one site, one join).
     clients = {k: CoordinatorClient(address, "site-0", transfer_timeout_s=600) for k in streams}
     for k, client in clients.items():
-        client.lease, client.transfer = main.lease, TransferConfig(k, keep_connections=True)
+        client.lease, client.transfer = main.lease, replace(main.transfer, streams=k)
         client.connect_streams(k)
     scratch = Path(tempfile.mkdtemp(prefix="isthmus-streams-site-"))
     try:
