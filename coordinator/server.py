@@ -36,6 +36,7 @@ from coordinator.storage import open_store
 from coordinator.store import StoreError, write_atomic
 from coordinator.watchdog import CallWatchdog
 from wire.grpc_options import server_options
+from wire.host_tuning import log_tcp_advice
 from wire.identity import Bundle
 
 log = logging.getLogger("isthmus.coordinator")
@@ -143,6 +144,7 @@ class CoordinatorServer:
         self.server.start()
         write_atomic(Path(self.cfg.state_dir) / "address", f"{self.address}\n".encode())
         log.info("coordinator for job %r listening on %s", self.cfg.name, self.address)
+        log_tcp_advice(log, self.address, sends_on_kept_connections=True)  # every fetch
         complete = False
         try:
             if self.ha is not None and not self._take_over():

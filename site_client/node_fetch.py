@@ -141,7 +141,6 @@ def fetch_boxes(client, version: int, theta_hash: str, boxes: list[Box] | None, 
                 raise CoordinatorError(
                     None, f"fetch: block {b} of theta_{version} does not match its digest"
                 )
-    file.flush()
     if boxes is None and state_hash(file.tensors).hex() != theta_hash:
         raise CoordinatorError(None, f"fetch: theta_{version} does not match its hash")
     return moved[0]

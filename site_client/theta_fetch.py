@@ -123,8 +123,9 @@ class ThetaFetcher:
 
     def _whole(self, manifest: Manifest, sink, header, dest: Path | None) -> GlobalState:
         if isinstance(sink, MappedSink):
+            # No msync: the trainers map the same file, so they see its pages as written; it
+            # lives in this agent's scratch folder and is never read after a restart.
             file = sink.file
-            file.flush()
             return GlobalState(header.version, file.tensors, header.theta_hash, dest, file)
         theta = unpack(manifest, sink.buffer)
         state = GlobalState(header.version, theta, header.theta_hash)
@@ -138,7 +139,6 @@ class ThetaFetcher:
             return GlobalState(header.version, theta, header.theta_hash)
         file = create_mapped(dest, held.file.manifest)
         apply_delta(held.theta, manifest, payload, out=file.tensors)
-        file.flush()
         return GlobalState(header.version, file.tensors, header.theta_hash, dest, file)
 
     def _fetch_payload(self, version: int | None, held: GlobalState | None, dest: Path | None):
