@@ -18,10 +18,11 @@ Two of Linux's settings decide how much of a long fat link a transfer gets (meas
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+
+from wire.metrics_http import is_loopback
 
 PROC_IPV4 = Path("/proc/sys/net/ipv4")
 REFERENCE_RTT_S = 0.1  # the round trip the one-stream ceiling is given at
@@ -104,13 +105,7 @@ def tcp_advice(host: TcpHost, sends_on_kept_connections: bool) -> list[Advice]:
 
 def over_loopback(address: str) -> bool:
     """Whether ``host:port`` (or ``[v6]:port``) names this machine: no WAN to advise on."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(address.rsplit(":", 1)[0].strip("[]"))
 
 
 def log_tcp_advice(log: logging.Logger, address: str, sends_on_kept_connections: bool) -> None:
