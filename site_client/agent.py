@@ -28,7 +28,6 @@ from site_client.scratch import claim, reclaim_abandoned
 from site_client.trainer_channel import TrainerChannel
 from site_client.wan import WanWorker
 from wire.backoff import DeadlineExceeded
-from wire.host_tuning import log_tcp_advice
 from wire.proto import isthmus_pb2 as pb
 
 __all__ = ["AgentConfig", "SiteAgent", "default_shm_dir"]
@@ -100,7 +99,6 @@ class SiteAgent:
             self.channel.encoder = PartEncoder(0, self.wan.compression, codec_state)
             self.channel.lease = lambda: self.client.lease
         self.state.heard(reply.round, [])
-        log_tcp_advice(log, self.client.address, self.client.transfer.keep_connections)
 
     def stop(self, leave: bool = True, reason: str = "site stopping") -> None:
         with self.state.cond:

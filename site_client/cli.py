@@ -182,6 +182,7 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
     from site_client.coordinator_client import CoordinatorClient, CoordinatorError
     from site_client.launcher import TrainersFailed, nproc_per_node, run_trainers
     from wire.backoff import BackoffPolicy, DeadlineExceeded
+    from wire.host_tuning import log_tcp_advice
 
     launch, bundle = _launch_and_bundle(args, launch_flags, command)
     cfg = _agent_config(args, launch)
@@ -202,6 +203,8 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
         agent.start()
         # Joined: from now on a silent coordinator is an outage to ride out, not a typo.
         client.backoff = BackoffPolicy(initial_s=0.5, cap_s=15.0, deadline_s=args.outage_timeout)
+        advice_log = logging.getLogger("isthmus.site")
+        log_tcp_advice(advice_log, client.address, client.transfer.keep_connections)
     except (CoordinatorError, DeadlineExceeded) as exc:
         agent.stop(leave=False)
         print(f"siteclient: error: {join_failure(args.coordinator, exc)}", file=sys.stderr)
