@@ -54,6 +54,7 @@ def _status(coord, ops) -> dict:
     return status_doc(reply)
 
 
+@pytest.mark.slow  # 40 s on 2 cores; drain_core/drain_rpc/drain_site cover the rules fast
 def test_drained_sites_hand_back_their_units_and_leave(tmp_path) -> None:
     coord = start_tls_coordinator(tmp_path, _job())
     ops = tmp_path / "pki" / "ops"

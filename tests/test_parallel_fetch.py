@@ -127,13 +127,11 @@ def test_a_stream_cut_mid_piece_resumes_at_its_byte(coord, pki, site, tmp_path):
         )
         c.chunk_bytes = PIECE = 4 * MB
         cut: dict = {}
+        c.theta.new_progress = lambda: _CutMidPiece(c, relay, PIECE, cut)
         try:
             c.join()
             c.transfer = TransferConfig(streams=2)
-            watcher = threading.Thread(target=_cut_mid_piece, args=(c, relay, PIECE, cut))
-            watcher.start()
             got = c.fetch()
-            watcher.join(10)
         finally:
             c.leave("done")
             c.close()
@@ -145,11 +143,20 @@ def test_a_stream_cut_mid_piece_resumes_at_its_byte(coord, pki, site, tmp_path):
     assert c.bytes_received == total + 1
 
 
-def _cut_mid_piece(c: CoordinatorClient, relay: Relay, piece: int, out: dict) -> None:
-    """Cut every connection (for 0.3 s) when one piece is half received."""
-    wait_until(lambda: c.bytes_received % piece == piece // 2 + 1, timeout=30, what="half a piece")
-    out.update(received=c.bytes_received, connections=relay.counters().connections)
-    relay.cut(0.3)
+class _CutMidPiece(TransferProgress):
+    """Cuts every connection (for 0.3 s) the moment one piece is half received: from the
+    stream's own thread as it counts the chunk, so two streams in lockstep cannot hide it."""
+
+    def __init__(self, c: CoordinatorClient, relay: Relay, piece: int, out: dict) -> None:
+        super().__init__(tty=False)
+        self.c, self.relay, self.piece, self.out = c, relay, piece, out
+
+    def advance(self, nbytes: int) -> None:
+        super().advance(nbytes)
+        received = self.c.bytes_received
+        if not self.out and received % self.piece == self.piece // 2 + 1:
+            self.out.update(received=received, connections=self.relay.counters().connections)
+            self.relay.cut(0.3)
 
 
 # ---- what a certificate holder may ask for -------------------------------------------------
