@@ -238,7 +238,10 @@ class ClosePipeline:
             s = self.p.state
             carried = self.p.data.round_closed(closed, self.p.sink.post)
             s.theta, s.round = nxt, next_round(order.round)
+            ranged = s.published.payload.blocks_asked
             s.published = publication(r + 1, nxt, theta_hash, self.p.downlink)
+            if ranged:
+                s.published.payload.take_block_digests_soon()
             s.accepted, s.norms, s.slots, s.running_sum = {}, {}, [], None
             s.last_closed, s.last_close_reason = closed, order.reason
             meta = {

@@ -158,16 +158,32 @@ class ThetaSource:
         self.size = len(payload)
         self._blocks: tuple[int, list[bytes]] | None = None
         self._blocks_lock = threading.Lock()
+        self._blocks_asked = False
 
     def block_digests(self) -> tuple[int, list[bytes]]:
         """``(block_bytes, digests)``: the SHA-256 of each block of the payload, taken on
         the first ask (only hosts that fetch ranges ask) and kept."""
+        self._blocks_asked = True
         with self._blocks_lock:
             if self._blocks is None:
                 size = block_size(self.size)
                 digests = [hashlib.sha256(data).digest() for _, data in self.chunks(size)]
                 self._blocks = (size, digests)
             return self._blocks
+
+    @property
+    def blocks_asked(self) -> bool:
+        """Whether this payload's block digests were asked for (or are being taken)."""
+        return self._blocks_asked
+
+    def take_block_digests_soon(self) -> threading.Thread:
+        """Take the block digests now, in the background: the next theta of a job whose
+        hosts fetch ranges, so that its first ranged fetch finds them ready, not a hash pass
+        of the whole payload on a gRPC thread."""
+        self._blocks_asked = True
+        worker = threading.Thread(target=self.block_digests, name="theta-blocks", daemon=True)
+        worker.start()
+        return worker
 
     @classmethod
     def of_file(cls, file: ThetaFile) -> ThetaSource:

@@ -23,6 +23,22 @@ import torch
 import torch.distributed as dist
 
 
+def node_ranks_problem(node_of: list[int], count: int) -> str | None:
+    """What is wrong with the node ranks the site's hosts gave (``node_of``: each trainer
+    rank's host's ``--node-rank``), or None. Two hosts that gave the same ``--node-rank`` land
+    in one rendezvous without complaint: it numbers hosts itself, and only this tells them
+    apart."""
+    given = sorted(set(node_of))
+    if given == list(range(count)):
+        return None
+    missing = sorted(set(range(count)) - set(given))
+    return (
+        f"the site's {count} hosts gave node ranks {given}, so no host is node "
+        f"{', '.join(map(str, missing))}: two hosts were given the same --node-rank; give "
+        f"each host of the site its own of 0..{count - 1}"
+    )
+
+
 class SiteNodes:
     """This rank's node, its node's leader and the site's driver.
 
@@ -45,6 +61,9 @@ class SiteNodes:
             every = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
             dist.all_gather(every, mine)
             self.node_of = [int(t.item()) for t in every]
+            problem = node_ranks_problem(self.node_of, self.count)
+            if problem:
+                raise ValueError(problem)
         self.driver = self.node_of.index(0)
         self.leader = self.node_of.index(self.node)
         self._boxes: tuple[list | None, list] | None = None  # (this rank's, every rank's)

@@ -17,6 +17,7 @@ from coordinator.records import FatalError
 from coordinator.theta_file import (
     ThetaFile,
     ThetaSource,
+    block_size,
     clear_theta_files,
     link_theta_file,
     write_theta_file,
@@ -277,3 +278,28 @@ def test_stepping_one_tensor_at_a_time_gives_the_same_bits(tmp_path, restart):
         finally:
             core.close()
     assert hashes[0] == hashes[1]
+
+
+def _block_digests_of(source) -> list[bytes]:
+    size = block_size(source.size)
+    return [hashlib.sha256(data).digest() for _, data in source.chunks(size)]
+
+
+def test_once_ranges_were_asked_for_the_next_thetas_block_digests_are_taken_at_publication(
+    tmp_path,
+):
+    clock = Clock()
+    core = new_core(tmp_path, clock)
+    try:
+        tokens = {s: core.join(s)[0].token for s in ("site-a", "site-b")}
+        heartbeat_all(core, clock, tokens, 1.0)
+        _close_round(core, clock, tokens, 0)
+        assert not core.published.payload.blocks_asked  # nobody fetched ranges: not taken
+        core.published.payload.block_digests()  # a host fetching ranges asks for them
+        _close_round(core, clock, tokens, 1)
+        source = core.published.payload
+        assert core.published.version == 2 and source.blocks_asked  # taken without an ask
+        size, digests = source.block_digests()
+        assert size == block_size(source.size) and digests == _block_digests_of(source)
+    finally:
+        core.close()
