@@ -10,9 +10,11 @@ byte ranges that cover them:
 2. Each box becomes the span of the payload from its first element to its last (a shard of
    rows is exactly its bytes; a box of columns a little more), rounded out to whole blocks and
    merged (``ranges_for``).
-3. Each range is a ranged fetch (``site_client.fetch_pieces.PieceStream``: resumable, every
-   header checked against the first) into theta's mapped file; every block fetched must hash
-   to its digest. The bytes of blocks not fetched stay zero, and no trainer of this host
+3. The ranges, cut into pieces of whole blocks (``split_ranges``), are fetched over
+   ``[transfer] streams`` as a whole payload's pieces are (``site_client.piece_streams``: each
+   ranged fetch resumable, its header checked against the first, the next one asked for ahead
+   of the current one's end) into theta's mapped file; every block fetched must hash to its
+   digest. The bytes of blocks not fetched stay zero, and no trainer of this host
    reads them.
 
 The version and theta hash must be the ones node 0 was given (the driver's task).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +33,13 @@ from pathlib import Path
 import torch
 
 from site_client.errors import CoordinatorError
-from site_client.fetch_pieces import PieceStream
+from site_client.piece_streams import PieceStreams
 from site_client.theta_fetch import MappedSink
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
 from wire.safetensors_io import create_mapped
 from wire.tensors import DTYPES, Manifest, PayloadError, state_hash
-from wire.transfer import Piece, ReceivedRanges
+from wire.transfer import PIECES_PER_STREAM, Piece, ReceivedRanges
 
 
 @dataclass(frozen=True, order=True)
@@ -87,6 +90,20 @@ def ranges_for(manifest: Manifest, boxes: Iterable[Box], block: int) -> list[Pie
     return [Piece(start, end - start) for start, end in covered.spans]
 
 
+def split_ranges(ranges: list[Piece], block: int, streams: int) -> list[Piece]:
+    """``ranges`` cut at whole blocks into pieces of about ``PIECES_PER_STREAM`` per stream,
+    so that K streams share a few large ranges as they share a whole payload."""
+    total = sum(r.length for r in ranges)
+    if streams <= 1 or not total:
+        return ranges
+    most = max(block, -(-total // (PIECES_PER_STREAM * streams * block)) * block)
+    return [
+        Piece(start, min(most, r.end - start))
+        for r in ranges
+        for start in range(r.offset, r.end, most)
+    ]
+
+
 def first_header(client, version: int) -> pb.FetchHeader:
     """The header of theta ``version`` with its block digests (one byte of payload asked for)."""
 
@@ -109,7 +126,9 @@ def first_header(client, version: int) -> pb.FetchHeader:
 def fetch_boxes(client, version: int, theta_hash: str, boxes: list[Box] | None, dest: Path) -> int:
     """Theta ``version``'s bytes that hold ``boxes`` (None: all of it) into a new safetensors
     file at ``dest``; returns how many payload bytes were fetched."""
+    started = time.monotonic()
     first = first_header(client, version)
+    rtt_s = time.monotonic() - started  # what each stream asks ahead by
     if first.version != version or first.theta_hash.hex() != theta_hash:
         raise CoordinatorError(None, f"fetch: theta_{version} is not the one node 0 was given")
     try:
@@ -118,23 +137,16 @@ def fetch_boxes(client, version: int, theta_hash: str, boxes: list[Box] | None, 
         if block <= 0 or len(digests) != -(-manifest.total_bytes // block):
             raise PayloadError(f"{len(digests)} block digests of {block} bytes for the payload")
         whole = [Piece(0, manifest.total_bytes)] if manifest.total_bytes else []
-        pieces = whole if boxes is None else ranges_for(manifest, boxes, block)
+        ranges = whole if boxes is None else ranges_for(manifest, boxes, block)
+        pieces = split_ranges(ranges, block, client.transfer.streams)
         file = create_mapped(dest, manifest)
     except PayloadError as exc:
         raise CoordinatorError(None, f"fetch: bad payload from coordinator: {exc}") from exc
     sink = MappedSink(file)
+    moved = _Moved(client)
+    PieceStreams(client, first, rtt_s, moved.count).run(pieces, sink)
     view = sink.view
-    moved = [0]
     for piece in pieces:
-        PieceStream(
-            client,
-            client.bulk,
-            first,
-            piece,
-            sink,
-            _counter(client, moved),
-            threading.Event(),
-        ).run()
         for b in range(piece.offset // block, -(-piece.end // block)):
             data = view[b * block : min((b + 1) * block, manifest.total_bytes)]
             if hashlib.sha256(data).digest() != digests[b]:
@@ -143,12 +155,17 @@ def fetch_boxes(client, version: int, theta_hash: str, boxes: list[Box] | None, 
                 )
     if boxes is None and state_hash(file.tensors).hex() != theta_hash:
         raise CoordinatorError(None, f"fetch: theta_{version} does not match its hash")
-    return moved[0]
+    return moved.total
 
 
-def _counter(client, moved: list[int]):
-    def count(n: int) -> None:
-        client.bytes_received += n
-        moved[0] += n
+class _Moved:
+    """Payload bytes received, counted from every stream's thread."""
 
-    return count
+    def __init__(self, client) -> None:
+        self.client, self.total = client, 0
+        self._lock = threading.Lock()
+
+    def count(self, n: int) -> None:
+        with self._lock:
+            self.client.bytes_received += n
+            self.total += n

@@ -7,7 +7,7 @@ A part of ``ThetaFetcher``, for K > 1 (K = 1 keeps the single resumable stream):
    SHA-256.
 2. The payload is cut into pieces of whole chunks (``wire.transfer.plan_pieces``), in one
    queue; K threads, each on a connection of its own, take the next piece until none is left
-   (``site_client.fetch_pieces``), so a slow stream takes fewer pieces instead of holding the
+   (``site_client.piece_streams``), so a slow stream takes fewer pieces instead of holding the
    whole fetch back. Each stream asks for its next piece about two round trips before its
    current one ends (``site_client.fetch_ahead``), so its connection does not sit idle for a
    round trip between pieces; once the queue is empty, an idle stream takes over the work of
@@ -32,15 +32,13 @@ from collections.abc import Callable
 import grpc
 
 from site_client.errors import CoordinatorError
-from site_client.fetch_ahead import NextPiece
-from site_client.fetch_endgame import Endgame
-from site_client.fetch_pieces import PieceQueue, PieceStream, Stopped, fetch_request
+from site_client.piece_streams import PieceStreams
 from site_client.transfer_progress import TransferProgress
 from wire.bulk import parse_chunk
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
 from wire.tensors import Manifest
-from wire.transfer import Piece, plan_pieces
+from wire.transfer import plan_pieces
 
 log = logging.getLogger("isthmus.site")
 # How often one fetch starts over because the version it fetched was replaced meanwhile.
@@ -131,72 +129,16 @@ class ParallelFetch:
         """Every piece into ``sink``, over as many streams as there are pieces, up to K."""
         c = self.client
         pieces = plan_pieces(manifest.total_bytes, c.chunk_bytes, c.transfer.streams)
-        queue = PieceQueue(pieces)
-        endgame = Endgame(self.rtt_s)
-        errors: list[BaseException] = []
-        threads = [
-            threading.Thread(
-                target=self._stream,
-                args=(stub, first, queue, endgame, sink, errors),
-                name=f"fetch-stream-{i}",
-                daemon=True,
-            )
-            for i, stub in enumerate(c.stream_stubs(min(len(pieces), c.transfer.streams)))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        log.debug(
-            "fetch: %d of %d pieces over %d streams asked for ahead (round trip %.3f s)",
-            self.opened_ahead, len(pieces), len(threads), self.rtt_s,
-        )  # fmt: skip
-        if errors:
-            raise errors[0]
-
-    def _stream(self, stub, first, queue: PieceQueue, endgame: Endgame, sink, errors) -> None:
-        """One stream's loop: the next piece (its call made ahead where it could be,
-        ``site_client.fetch_ahead``) until none is left, then work taken over from a stream
-        lagging behind (``site_client.fetch_endgame``) while there is any worth it."""
-        c = self.client
-
-        def open_call(piece: Piece):
-            req = fetch_request(c.lease, first, piece.offset, piece.length)
-            return stub.Fetch(req, timeout=c.transfer_timeout_s)
-
-        ahead = NextPiece(queue, open_call, self.rtt_s)
-        endgame.join(ahead)
+        streams = PieceStreams(c, first, self.rtt_s, self._count)
         try:
-            while (work := _next_work(ahead, endgame)) is not None:
-                piece, call, race = work
-                args = (c, stub, first, piece, sink, self._count, queue.stopped)
-                ahead.current = PieceStream(*args, call=call, ahead=ahead, race=race)
-                ahead.current.run()
-        except Stopped:
-            pass
-        except BaseException as exc:  # handed to ``_pieces``, which raises the first
-            errors.append(exc)
-            queue.stop()
+            streams.run(pieces, sink)
         finally:
-            ahead.current = None
-            ahead.close()
-            with self._count_lock:
-                self.opened_ahead += ahead.opened_ahead
+            self.opened_ahead += streams.opened_ahead
 
     def _count(self, nbytes: int) -> None:
         with self._count_lock:
             self.client.bytes_received += nbytes
         self.progress.advance(nbytes)
-
-
-def _next_work(ahead: NextPiece, endgame: Endgame):
-    """``(piece, call made ahead or None, race or None)`` for a stream, or None: done."""
-    piece, call = ahead.take()
-    if piece is not None:
-        return piece, call, None
-    ahead.current = None  # idle: nothing of this stream's is left to take over
-    taken = endgame.take_over(ahead)
-    return None if taken is None else (taken[0], None, taken[1])
 
 
 def check_payload(manifest: Manifest, payload: memoryview) -> None:

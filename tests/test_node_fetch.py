@@ -10,9 +10,10 @@ import torch
 from test_parallel_push import client, coord, pki
 
 from site_client.errors import CoordinatorError
-from site_client.node_fetch import Box, byte_span, fetch_boxes, ranges_for
+from site_client.node_fetch import Box, byte_span, fetch_boxes, ranges_for, split_ranges
 from wire.safetensors_io import map_tensors
 from wire.tensors import Manifest, PayloadError, TensorEntry
+from wire.transfer import Piece
 
 __all__ = ["coord", "pki"]  # the coordinator and PKI fixtures, shared with the K-stream push
 MB = 1 << 20
@@ -37,6 +38,16 @@ def test_a_shard_of_rows_is_exactly_its_bytes_and_a_box_of_columns_spans_its_row
     assert [(p.offset, p.end) for p in got] == [(0, 64), (128, 192)]
 
 
+def test_ranges_are_cut_at_whole_blocks_for_k_streams_and_kept_whole_for_one():
+    ranges = [Piece(0, 64), Piece(128, 64 * 40)]
+    assert split_ranges(ranges, 64, 1) == ranges
+    pieces = split_ranges(ranges, 64, 2)  # 41 blocks, about 8 pieces per stream: 3 blocks each
+    assert all(p.offset % 64 == 0 and 0 < p.length <= 3 * 64 for p in pieces)
+    assert pieces[0] == Piece(0, 64) and pieces[1] == Piece(128, 3 * 64)
+    assert sum(p.length for p in pieces) == sum(r.length for r in ranges)
+    assert pieces[-1].end == ranges[-1].end
+
+
 @pytest.mark.parametrize(
     "box,words",
     [
@@ -51,13 +62,16 @@ def test_a_box_that_is_not_thetas_is_refused(box, words):
         ranges_for(manifest((8, 4)), [box], 64)
 
 
-def test_a_node_fetches_only_its_trainers_rows_bit_for_bit(coord, pki, tmp_path):
-    c = client(coord.address, pki, 1)
+@pytest.mark.parametrize("streams", [1, 3])
+def test_a_node_fetches_only_its_trainers_rows_bit_for_bit(coord, pki, tmp_path, streams):
+    c = client(coord.address, pki, streams)
     whole = c.fetch(dest=tmp_path / "whole.safetensors")
     w = whole.theta["lin.weight"]  # (1024, 2048) float32: 8 MiB
     mine = [Box("lin.weight", (512, 0), (512, 2048)), Box("lin.bias", (0,), (1024,))]
     got = fetch_boxes(c, whole.version, whole.theta_hash.hex(), mine, tmp_path / "part.safetensors")
-    assert 4 * MB <= got <= 4 * MB + 2 * MB  # its rows, in whole blocks; not the other half
+    # Its rows, in whole blocks, not the other half (and over K streams, at most a block more
+    # per stream: one that took over the end of another's piece).
+    assert 4 * MB <= got <= 4 * MB + 2 * MB + (streams - 1) * MB
     part = map_tensors(tmp_path / "part.safetensors").tensors
     assert torch.equal(part["lin.weight"][512:], w[512:])
     assert torch.equal(part["lin.bias"], whole.theta["lin.bias"])
