@@ -145,6 +145,7 @@ class Scraper(threading.Thread):
             time.sleep(0.5)
 
 
+@pytest.mark.slow  # 32-41 s on 2 cores; test_local, test_multinode_site run FSDP2 sites fast
 def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
     coord = start_tls_coordinator(tmp_path, tiny_gpt_job("site-e2e", sites=2))
     env = subprocess_env()
