@@ -61,7 +61,7 @@ class PieceStreams:
                 name=f"fetch-stream-{i}",
                 daemon=True,
             )
-            for i, stub in enumerate(c.stream_stubs(max(1, min(len(pieces), c.transfer.streams))))
+            for i, stub in enumerate(c.stream_stubs(min(len(pieces), c.transfer.streams)))
         ]
         for t in threads:
             t.start()
