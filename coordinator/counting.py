@@ -79,8 +79,9 @@ class UpdateCounter:
             if self._colliding(admission):
                 raise Refused("busy", f"another copy of {admission.key.label} is being counted")
             weight = checked_weight(self.strategy, upload.site, upload.weight)
-        except Refused:
-            self.uploads.discard(upload)
+        except Refused as exc:
+            if exc.code != "busy":  # busy is for a retry, which finds the upload whole
+                self.uploads.discard(upload)
             raise
         except StrategyError as exc:
             self.uploads.discard(upload)

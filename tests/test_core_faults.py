@@ -195,3 +195,32 @@ def test_an_upload_is_verified_and_counted_by_one_request_at_a_time(tmp_path):
     assert core.snapshot().updates_received == 0
     assert core.finish_upload(upload, tokens["site-a"])  # its turn: counted once
     assert core.snapshot().updates_received == 1
+
+
+def test_an_upload_refused_while_another_copy_is_counted_is_kept_for_its_retry(
+    tmp_path, monkeypatch
+):
+    """"Busy" (another copy of the same update or data unit is being committed: a backup
+    copy's race) is for a retry: the site's upload stays whole, so the retry is one header,
+    not every byte again."""
+    from coordinator.records import PushHeader
+    from wire.tensors import pack
+
+    clock = Clock()
+    core = new_core(tmp_path, clock, rounds={"min_sites": 2})
+    tokens = _open_round(core, clock, ("site-a", "site-b"))
+    manifest, payload = pack(delta_like(core, 1.0))
+    header = PushHeader("site-a", tokens["site-a"], 0, "u1", manifest.to_proto(), 1.0, 0)
+    upload = core.begin_upload(header)
+    core.upload_chunk(upload, 0, bytes(payload))
+    core.release_upload(upload)
+    monkeypatch.setattr(core.counter, "_colliding", lambda admission: True)
+    with pytest.raises(Refused) as err:
+        core.finish_upload(upload, tokens["site-a"])
+    assert err.value.code == "busy"
+    monkeypatch.undo()  # the other copy's commit failed: this one may count
+    retry = core.begin_upload(header)
+    assert retry.complete  # nothing to send again
+    assert core.finish_upload(retry, tokens["site-a"])
+    core.release_upload(retry)
+    assert core.snapshot().updates_received == 1
