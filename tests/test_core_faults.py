@@ -200,7 +200,7 @@ def test_an_upload_is_verified_and_counted_by_one_request_at_a_time(tmp_path):
 def test_an_upload_refused_while_another_copy_is_counted_is_kept_for_its_retry(
     tmp_path, monkeypatch
 ):
-    """"Busy" (another copy of the same update or data unit is being committed: a backup
+    """ "Busy" (another copy of the same update or data unit is being committed: a backup
     copy's race) is for a retry: the site's upload stays whole, so the retry is one header,
     not every byte again."""
     from coordinator.records import PushHeader
