@@ -550,7 +550,10 @@ class CoordinatorCore:
                 self.state.committing.discard(admission.key)
             raise
         with self._locked():
-            self.counter.count(upload, spooled, admission, norm, self.clock())
+            try:
+                self.counter.count(upload, spooled, admission, norm, self.clock())
+            finally:  # committed: its bytes are the spool's now
+                self.uploads.forget(upload)
         return True
 
     # ---- the round clock ------------------------------------------------------------------

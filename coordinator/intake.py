@@ -125,7 +125,9 @@ class UpdateIntake:
             raise Refused("invalid", f"update from {upload.site} refused: {exc}") from exc
 
     def commit(self, upload: Upload, weight: float) -> SpooledUpdate:
-        """Make a verified upload durable as its admitted key (an fsync: slow, lock-free)."""
+        """Make a verified upload durable as its admitted key (an fsync: slow, lock-free). The
+        caller forgets the upload once it is counted: till then a retried reservation finds it
+        (busy, being finished), not a fresh empty one to send every byte into again."""
         a = upload.admission
         try:
             spooled = self.spool.commit(
@@ -137,7 +139,6 @@ class UpdateIntake:
         except OSError as exc:  # the upload stays complete: a retried header commits it
             log.error("committing upload %s from %s: %s", upload.upload_id, upload.site, exc)
             raise disk_refusal(exc, f"committing upload {upload.upload_id}") from exc
-        self.uploads.forget(upload)
         return spooled
 
 

@@ -224,3 +224,39 @@ def test_an_upload_refused_while_another_copy_is_counted_is_kept_for_its_retry(
     assert core.finish_upload(retry, tokens["site-a"])
     core.release_upload(retry)
     assert core.snapshot().updates_received == 1
+
+
+def test_a_reservation_retried_between_commit_and_count_finds_the_upload_not_a_fresh_one(
+    tmp_path, monkeypatch
+):
+    """The window after the spool's fsync and before the count: a retried reservation must
+    meet the upload being finished (busy), never a new empty one to send every byte into."""
+    from coordinator.records import PushHeader
+    from wire.tensors import pack
+
+    clock = Clock()
+    core = new_core(tmp_path, clock, rounds={"min_sites": 2})
+    tokens = _open_round(core, clock, ("site-a", "site-b"))
+    manifest, payload = pack(delta_like(core, 1.0))
+    header = PushHeader("site-a", tokens["site-a"], 0, "u1", manifest.to_proto(), 1.0, 0)
+    upload = core.begin_upload(header)
+    core.upload_chunk(upload, 0, bytes(payload))
+    core.release_upload(upload)
+    commit, seen = core.intake.commit, []
+
+    def commit_then_retry(u, weight):
+        spooled = commit(u, weight)
+        again = core.begin_upload(header)  # the retry, in the window
+        seen.append((again is u, again.complete))
+        with pytest.raises(Refused) as err:
+            core.finish_upload(again, tokens["site-a"])
+        seen.append(err.value.code)
+        core.release_upload(again)
+        return spooled
+
+    monkeypatch.setattr(core.intake, "commit", commit_then_retry)
+    assert core.finish_upload(upload, tokens["site-a"])
+    assert seen == [(True, True), "busy"]
+    assert core.snapshot().updates_received == 1
+    with pytest.raises(Refused):  # counted: a later retry is told so, nothing is opened
+        core.begin_upload(header)
