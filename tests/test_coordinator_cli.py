@@ -42,9 +42,16 @@ def _without(cfg: dict, table: str, key: str) -> dict:
         (_without(h.job_config(), "rounds", "total"), ["rounds.total", "missing"]),
         (_without(h.job_config(), "job", "name"), ["job.name", "missing"]),
         (h.job_config(rounds={"min_sites": "two"}), ["rounds.min_sites", "integer", "'two'"]),
-        (h.job_config(timeouts={"lease_ttl_s": True}), ["timeouts.lease_ttl_s", "boolean"]),
+        # A `coordinator serve` each (2-3 s); the config's own tests check these in-process.
+        pytest.param(
+            h.job_config(timeouts={"lease_ttl_s": True}),
+            ["timeouts.lease_ttl_s", "boolean"],
+            marks=pytest.mark.slow,
+        ),
         (h.job_config(rounds={"totl": 3}), ["rounds.totl", "unknown key"]),
-        (h.job_config(rounds={"total": 0}), ["rounds.total", "> 0"]),
+        pytest.param(
+            h.job_config(rounds={"total": 0}), ["rounds.total", "> 0"], marks=pytest.mark.slow
+        ),
         (h.job_config(server={"listen": "nowhere"}), ["server.listen", "HOST:PORT"]),
     ],
     ids=["missing", "missing-name", "wrong-type", "bool", "unknown", "not-positive", "listen"],

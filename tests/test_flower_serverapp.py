@@ -63,11 +63,18 @@ TRIPLES = [
         ("Krum", {"num_malicious_clients": 1, "num_clients_to_keep": 2}),
         ("MultiKrum", {"num_malicious_nodes": 1, "num_nodes_to_select": 2}),
     ),
-    (None, ("Bulyan", {"num_malicious_clients": 0}), ("Bulyan", {"num_malicious_nodes": 0})),
-    (
+    # Bulyan and QFedAvg take 2.5-6 s each in Flower's own code: slow.
+    pytest.param(
+        None,
+        ("Bulyan", {"num_malicious_clients": 0}),
+        ("Bulyan", {"num_malicious_nodes": 0}),
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
         None,
         ("QFedAvg", {"q_param": 0.5, "qffl_learning_rate": 0.1}),
         ("QFedAvg", {"q": 0.5, "client_learning_rate": 0.1}),
+        marks=pytest.mark.slow,
     ),
 ]
 
@@ -220,8 +227,8 @@ def _spool_digest(spool: UpdateSpool) -> dict[str, str]:
     [
         ("FedMedian", {}),
         ("FedTrimmedAvg", {"beta": 0.25}),
-        ("Bulyan", {}),
-        ("QFedAvg", {"client_learning_rate": 0.1}),
+        pytest.param("Bulyan", {}, marks=pytest.mark.slow),  # 5-6 s in Flower's code
+        pytest.param("QFedAvg", {"client_learning_rate": 0.1}, marks=pytest.mark.slow),
         ("FedAdam", {}),
     ],
 )

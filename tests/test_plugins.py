@@ -214,11 +214,18 @@ def test_failed_outer_step_then_broken_restarts_leave_the_checkpoint_unchanged(t
             "failed in outer_step: it returned 'lin.weight' as torch.float32 (16, 2)",
         ),
         ("outer_step", "not_dict", "failed in outer_step: it returned a list, not a dict"),
-        ("begin_round", "raise", "failed in begin_round: RuntimeError: begin_round exploded"),
-        (
+        # A real coordinator each (3 s): two hooks stay fast, the others run in test-slow.
+        pytest.param(
+            "begin_round",
+            "raise",
+            "failed in begin_round: RuntimeError: begin_round exploded",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
             "update_weight",
             "raise",
             "failed in update_weight: ZeroDivisionError: update_weight exploded",
+            marks=pytest.mark.slow,
         ),
     ],
 )

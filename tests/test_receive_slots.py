@@ -92,7 +92,11 @@ def test_fold_order_wins_and_an_unused_grant_lapses():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("slots", [1, 0, None])
+# 3.5 s each: one setting stays fast.
+@pytest.mark.parametrize(
+    "slots",
+    [1, pytest.param(0, marks=pytest.mark.slow), pytest.param(None, marks=pytest.mark.slow)],
+)
 def test_one_slot_takes_concurrent_pushes_one_at_a_time(tmp_path, slots):
     server = {"listen": "127.0.0.1:0", "workers": 16}
     if slots is not None:
