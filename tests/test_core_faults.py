@@ -173,10 +173,9 @@ def test_sites_join_and_leave_at_round_boundaries_and_the_outer_state_carries_on
     expect([1.0, 5.0])  # momentum from rounds 0 and 1 still applies
 
 
-def test_an_upload_is_verified_and_counted_by_one_request_at_a_time(tmp_path):
-    """A second finish of an upload being finished (a retried reservation, another host's
-    reservation next to the end of a stream) waits its turn: it never verifies the same file
-    again, nor discards it, and the upload counts once."""
+def _received_upload(tmp_path):
+    """A core in round 0 of two sites, holding site-a's whole upload, not yet finished:
+    ``(core, tokens, header, upload)``."""
     from coordinator.records import PushHeader
     from wire.tensors import pack
 
@@ -188,6 +187,14 @@ def test_an_upload_is_verified_and_counted_by_one_request_at_a_time(tmp_path):
     upload = core.begin_upload(header)
     core.upload_chunk(upload, 0, bytes(payload))
     core.release_upload(upload)
+    return core, tokens, header, upload
+
+
+def test_an_upload_is_verified_and_counted_by_one_request_at_a_time(tmp_path):
+    """A second finish of an upload being finished (a retried reservation, another host's
+    reservation next to the end of a stream) waits its turn: it never verifies the same file
+    again, nor discards it, and the upload counts once."""
+    core, tokens, header, upload = _received_upload(tmp_path)
     with core.uploads.finishing(upload):  # the first request, verifying
         with pytest.raises(Refused) as err:
             core.finish_upload(upload, tokens["site-a"])
@@ -203,17 +210,7 @@ def test_an_upload_refused_while_another_copy_is_counted_is_kept_for_its_retry(
     """ "Busy" (another copy of the same update or data unit is being committed: a backup
     copy's race) is for a retry: the site's upload stays whole, so the retry is one header,
     not every byte again."""
-    from coordinator.records import PushHeader
-    from wire.tensors import pack
-
-    clock = Clock()
-    core = new_core(tmp_path, clock, rounds={"min_sites": 2})
-    tokens = _open_round(core, clock, ("site-a", "site-b"))
-    manifest, payload = pack(delta_like(core, 1.0))
-    header = PushHeader("site-a", tokens["site-a"], 0, "u1", manifest.to_proto(), 1.0, 0)
-    upload = core.begin_upload(header)
-    core.upload_chunk(upload, 0, bytes(payload))
-    core.release_upload(upload)
+    core, tokens, header, upload = _received_upload(tmp_path)
     monkeypatch.setattr(core.counter, "_colliding", lambda admission: True)
     with pytest.raises(Refused) as err:
         core.finish_upload(upload, tokens["site-a"])
@@ -231,17 +228,7 @@ def test_a_reservation_retried_between_commit_and_count_finds_the_upload_not_a_f
 ):
     """The window after the spool's fsync and before the count: a retried reservation must
     meet the upload being finished (busy), never a new empty one to send every byte into."""
-    from coordinator.records import PushHeader
-    from wire.tensors import pack
-
-    clock = Clock()
-    core = new_core(tmp_path, clock, rounds={"min_sites": 2})
-    tokens = _open_round(core, clock, ("site-a", "site-b"))
-    manifest, payload = pack(delta_like(core, 1.0))
-    header = PushHeader("site-a", tokens["site-a"], 0, "u1", manifest.to_proto(), 1.0, 0)
-    upload = core.begin_upload(header)
-    core.upload_chunk(upload, 0, bytes(payload))
-    core.release_upload(upload)
+    core, tokens, header, upload = _received_upload(tmp_path)
     commit, seen = core.intake.commit, []
 
     def commit_then_retry(u, weight):
