@@ -32,10 +32,15 @@ def node_ranks_problem(node_of: list[int], count: int) -> str | None:
     if given == list(range(count)):
         return None
     missing = sorted(set(range(count)) - set(given))
+    why = (
+        f"so no host is node {', '.join(map(str, missing))}: two hosts were given the same "
+        "--node-rank"
+        if missing
+        else "some outside 0..N-1"
+    )
     return (
-        f"the site's {count} hosts gave node ranks {given}, so no host is node "
-        f"{', '.join(map(str, missing))}: two hosts were given the same --node-rank; give "
-        f"each host of the site its own of 0..{count - 1}"
+        f"the site's {count} hosts gave node ranks {given}, {why}; give each host of the "
+        f"site its own --node-rank of 0..{count - 1}"
     )
 
 

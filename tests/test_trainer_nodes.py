@@ -20,3 +20,6 @@ def test_two_hosts_with_one_node_rank_are_named_with_the_one_missing() -> None:
 def test_a_node_rank_beyond_the_count_is_a_problem() -> None:
     problem = node_ranks_problem([0, 0, 2, 2], 2)
     assert problem is not None and "no host is node 1" in problem
+    problem = node_ranks_problem([0, 1, 2], 2)  # every node there, and one more
+    assert problem is not None and "[0, 1, 2], some outside 0..N-1" in problem
+    assert "no host is node" not in problem and "0..1" in problem
