@@ -10,12 +10,18 @@ AdamW, site checkpoints every round) run a DiLoCo job on loopback over mutual TL
 *outer sync* is the time from the end of its last inner step of round r to theta_{r+1} loaded
 into its model; the table gives the median over rounds and sites, next to a gloo all-reduce of
 the same float32 bytes between two processes measured in the same run (about what torchft's
-DiLoCo sync costs), and where the time went: the trainers' hand-off and load, the agents' push
-and fetch, and the coordinator's close (from the event log). Then the fixed cost: the round
+DiLoCo sync costs) and the floor of the transport: the same bytes up and down over mutual-TLS
+gRPC with nothing else done to them (``bench.sync_floor``). Then where the time went: the
+trainers' hand-off and load, the agents' push and fetch, and the coordinator's close (from the
+event log). Then the fixed cost: the round
 period of a 1 MiB model with the default timeouts (5 s heartbeats). Memory: the coordinator's
 peak RSS above what a process importing it holds, over the fp32 model size. Last line::
 
-    sync_vs_allreduce_50m=... sync_vs_allreduce_5m=... round_1mib_s=... coord_rss_over_model=...
+    sync_vs_allreduce_50m=... sync_vs_allreduce_5m=... floor_vs_allreduce_50m=...
+    floor_vs_allreduce_5m=... sync_vs_floor_50m=... sync_vs_floor_5m=... round_1mib_s=...
+    coord_rss_over_model=...
+
+(one line).
 """
 
 from __future__ import annotations

@@ -302,7 +302,13 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_job(root / f"{size}-{codec}", size, width, depth, codec, args))
     tiny = results.pop()
     baseline = import_baseline_rss()
-    from bench.sync_report import report
+    from bench.sync_floor import floor_seconds
+    from bench.sync_report import References, report
 
-    report(results, tiny, baseline, lambda n: allreduce_seconds(n, root))
+    pki = root / f"{results[0].size}-{results[0].codec}"  # any job's certificates will do
+    references = References(
+        allreduce=lambda n: allreduce_seconds(n, root),
+        floor=lambda n: floor_seconds(pki, n * 4),
+    )
+    report(results, tiny, baseline, references)
     return 0
