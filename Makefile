@@ -45,7 +45,7 @@ etcd:
 test: $(VENV)/.dev chromium etcd
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n 2
 
 # The slow tests: the whole fault matrix and more (71 tests, 26 minutes on 2 cores); `python -m bench.chaos` runs
 # the same scenarios and prints the summary figures.
