@@ -2,7 +2,9 @@
 
 A checkpoint is a directory: DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files holding the
 model and inner-optimiser state (sharded, keyed by parameter name), plus our JSON manifest with
-the caller's ``extra`` values and a size and SHA-256 for every file. DCP reshards on load, so a
+the caller's ``extra`` values and a size and SHA-256 for every file. A checkpoint may leave the
+model out (``with_model=False``: the trainer's checkpoint of a task's end, whose model the next
+theta replaces); it then loads only into an optimiser. DCP reshards on load, so a
 checkpoint written by N trainer processes loads into any M, and also into a plain process with
 no process group: build the model and optimiser unwrapped and call :func:`load_site_checkpoint`
 without ``init_process_group``; DCP then reads every shard in that one process.
@@ -40,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.utils._pytree import tree_map_only
@@ -118,9 +121,16 @@ class Staged:
             optimizer.state.clear()
 
 
-def stage_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, copy: bool) -> Staged:
-    """The state to save; with ``copy`` a snapshot (training may go on while it is written)."""
+def stage_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, copy: bool, with_model: bool = True
+) -> Staged:
+    """The state to save; with ``copy`` a snapshot (training may go on while it is written);
+    without ``with_model``, the optimiser's state alone."""
     state, fresh = _state_dict(model, optimizer)
+    if not with_model:
+        if optimizer is None:
+            raise ValueError("a checkpoint without the model needs an optimiser")
+        del state["model"]
     if copy:
         state = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
     return Staged(state, fresh)
@@ -166,6 +176,7 @@ def manifest_doc(staged: Staged, extra: dict, files: dict, world_size: int) -> d
         "format": _FORMAT,
         "world_size": world_size,
         "has_optimizer": "optim" in staged.state,
+        "has_model": "model" in staged.state,
         "optimizer_initialised": not staged.fresh,
         "extra": extra,
         "files": files,
@@ -194,9 +205,11 @@ class AsyncCheckpointer:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="site-checkpoint")
         self._last: Future | None = None
 
-    def save(self, path, model, optimizer, extra: Extra | None = None, on_done=None) -> Future:
+    def save(
+        self, path, model, optimizer, extra: Extra | None = None, on_done=None, with_model=True
+    ) -> Future:
         self.wait()
-        staged = stage_state(model, optimizer, copy=True)
+        staged = stage_state(model, optimizer, copy=True, with_model=with_model)
         staged.release(optimizer)
 
         def write() -> Path:
@@ -228,7 +241,8 @@ def load_site_checkpoint(
     *,
     config: SiteCheckpointConfig | None = None,
 ) -> Extra:
-    """Restore ``model`` (and ``optimizer``) from ``path`` and return the saved ``extra``.
+    """Restore ``model`` (and ``optimizer``) from ``path`` and return the saved ``extra``. A
+    checkpoint without the model restores the optimiser alone and leaves the model as it is.
 
     The checkpoint is read into copies of this rank's state first (so a load needs memory for
     a second copy of the rank's shard, on the state's device) and applied only once reading
@@ -237,7 +251,8 @@ def load_site_checkpoint(
     Raises
     ------
     SiteCheckpointError
-        ``path`` is missing, incomplete or corrupt (the message names it).
+        ``path`` is missing, incomplete or corrupt (the message names it), or holds less than
+        asked for (no optimiser state, or no model when ``optimizer`` is None).
     """
     cfg = config or SiteCheckpointConfig()
     path = Path(path).absolute()
@@ -257,6 +272,8 @@ def load_staged(where, model, optimizer, manifest: dict[str, Any], reader) -> Ex
     """Read a checkpoint through the DCP ``reader`` into copies of this rank's state, then
     apply them (only once reading succeeded) and return the manifest's ``extra``."""
     state, fresh = _state_dict(model, optimizer)
+    if not manifest["has_model"]:
+        del state["model"]
     staged = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
     try:
         with single_process_ok():
@@ -267,12 +284,15 @@ def load_staged(where, model, optimizer, manifest: dict[str, Any], reader) -> Ex
         raise SiteCheckpointError(f"cannot load site checkpoint {where}: {describe(exc)}") from exc
     if optimizer is None:
         set_model_state_dict(model, staged["model"])
-    else:
+        return manifest["extra"]
+    if manifest["has_model"]:
         set_state_dict(
             model, optimizer, model_state_dict=staged["model"], optim_state_dict=staged["optim"]
         )
-        if not manifest["optimizer_initialised"]:
-            optimizer.state.clear()
+    else:
+        set_optimizer_state_dict(model, optimizer, staged["optim"])
+    if not manifest["optimizer_initialised"]:
+        optimizer.state.clear()
     return manifest["extra"]
 
 
@@ -329,6 +349,11 @@ def check_manifest(text: str | bytes, want_optimizer: bool) -> tuple[dict[str, A
         return {}, f"unknown format {manifest['format']!r}"
     if want_optimizer and not manifest["has_optimizer"]:
         return {}, "it holds no optimiser state"
+    manifest.setdefault("has_model", True)  # written before models could be left out
+    if not isinstance(manifest["has_model"], bool):
+        return {}, "unreadable manifest: 'has_model' must be true or false"
+    if not want_optimizer and not manifest["has_model"]:
+        return {}, "it holds no model (the optimiser state of a task's end only)"
     if not isinstance(manifest["files"], dict) or not isinstance(manifest["extra"], dict):
         return {}, "unreadable manifest: 'files' and 'extra' must be objects"
     try:

@@ -61,17 +61,27 @@ class CheckpointPlace:
         return prune_site_checkpoints(self.folder, keep_last)
 
 
-def load_newest(place: CheckpointPlace, model, optimizer) -> Extra | None:
-    """The newest checkpoint that loads, loaded into ``model`` and ``optimizer``; None when
-    there is none. A damaged one is logged (naming it) and the one before it is tried.
+def load_newest(
+    place: CheckpointPlace, model, optimizer, before: Path | str | None = None
+) -> tuple[Path | str, Extra] | None:
+    """The newest checkpoint that loads (older than ``before`` when given), loaded into
+    ``model`` and ``optimizer``: its target and saved values; None when there is none. A
+    damaged one is logged (naming it) and the one before it is tried.
 
     Raises
     ------
     SiteCheckpointError
-        Checkpoints exist but none of them loads (every refusal is in the message).
+        Checkpoints exist but none of them loads (every refusal is in the message), or
+        ``before`` is not among them.
     """
+    targets = place.committed()
+    if before is not None:
+        if before not in targets:
+            where = place.where(before)
+            raise SiteCheckpointError(f"no checkpoint before {where}: it is no longer there")
+        targets = targets[: targets.index(before)]
     refused: list[str] = []
-    for target in reversed(place.committed()):
+    for target in reversed(targets):
         try:
             extra = place.load(target, model, optimizer)
         except SiteCheckpointError as exc:
@@ -80,7 +90,7 @@ def load_newest(place: CheckpointPlace, model, optimizer) -> Extra | None:
             continue
         if refused:
             log.error("resuming from the previous site checkpoint %s", place.where(target))
-        return extra
+        return target, extra
     if refused:
         raise SiteCheckpointError("no site checkpoint loads: " + "; ".join(refused))
     return None

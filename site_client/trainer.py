@@ -191,6 +191,7 @@ class SiteSession:
         # ... and this rank's boxes of the model ([name, offset, shape]): the bytes of theta
         # its node fetches for it. None: theta whole.
         self._boxes: list | None = None
+        self._resumed_from = None  # the site checkpoint the trainers resumed from
         self.site = hello["site"]
         # This site's place among the participants of the latest round (rnd.site_index and
         # rnd.num_sites are those of each round): no need to pass them to the script.
@@ -242,6 +243,9 @@ class SiteSession:
                 self._load(pieces, theta, spec)
                 self.final = spec
                 return
+            this_task = resume is not None and resume[:2] == (spec.round, spec.data_unit)
+            if this_task and resume[2] >= spec.inner_steps:  # its end holds no model
+                resume = self._redo(spec, model, optimizer)
             if resume and resume[:2] == (spec.round, spec.data_unit) and resume[2] > 0:
                 start = resume[2]  # the model holds the checkpoint of this very task
             else:
@@ -257,10 +261,11 @@ class SiteSession:
                     f"round {spec.round}: the loop over rnd.steps() stopped after "
                     f"{rnd.completed_steps} of {spec.inner_steps} steps"
                 )
-            done = start >= spec.inner_steps  # resumed at the task's end: already checkpointed
-            self._submit(pieces, theta, spec, rnd.weight, durable=done)
-            if not done:
-                self._checkpoint(model, optimizer, rnd, spec.inner_steps, task_end=True)
+            self._submit(pieces, theta, spec, rnd.weight, durable=False)
+            # The task's end without the model: what follows it loads theta_{r+1}, and were
+            # the update lost before it counted, the task is done again (see ``_redo``).
+            end = spec.inner_steps
+            self._checkpoint(model, optimizer, rnd, end, task_end=True, model_too=False)
 
     def report(self, **metrics: float) -> None:
         """Send metrics (e.g. validation loss) to the agent's log and ``metrics.jsonl``."""
@@ -296,8 +301,11 @@ class SiteSession:
         if self.is_driver:
             record(self.run_dir / "trainer_timings.jsonl", kind, **fields)
 
-    def _checkpoint(self, model, optimizer, rnd: Round, step: int, task_end: bool = False):
-        """Write a site checkpoint of ``step`` of ``rnd`` in the background."""
+    def _checkpoint(
+        self, model, optimizer, rnd: Round, step: int, task_end: bool = False, model_too=True
+    ):
+        """Write a site checkpoint of ``step`` of ``rnd`` in the background (without the
+        model unless ``model_too``)."""
         seq = max(self._last_seq + 1, rnd.number * STEP_SLOTS + step)
         extra = {
             "round": rnd.number,
@@ -317,7 +325,7 @@ class SiteSession:
         on_done = written if self.is_driver else None
         path = self.ckpt_place.target(seq)
         started = time.monotonic()
-        self.checkpointer.save(path, model, optimizer, extra, on_done=on_done)
+        self.checkpointer.save(path, model, optimizer, extra, on_done, with_model=model_too)
         self._timing("checkpoint_staged", started, round=rnd.number, step=step)
         self._last_seq = seq
 
@@ -330,12 +338,32 @@ class SiteSession:
 
     def _resume_extra(self, model, optimizer) -> dict | None:
         """The newest site checkpoint's saved values, loaded into the model (None: none)."""
-        extra = load_newest(self.ckpt_place, model, optimizer)
-        if extra is None:
+        found = load_newest(self.ckpt_place, model, optimizer)
+        if found is None:
             return None
+        self._resumed_from, extra = found
         round_number, step = int(extra["round"]), int(extra["step"])
         self._last_seq = int(extra.get("seq", round_number * STEP_SLOTS + step))
         return extra
+
+    def _redo(self, spec: RoundSpec, model, optimizer) -> tuple[int, str, int] | None:
+        """Resumed at the end of the very task handed out again: the agent running now never
+        had its update (it restarted; whether the update counted, the push will hear), and the
+        checkpoint of the task's end holds no model to make it from. Load the checkpoint
+        before (none: the task was the site's first) and train the task again: in
+        deterministic mode the same update, bit for bit, and the same optimiser state."""
+        if self.is_driver:
+            print(
+                f"[{self.site}] round {spec.round}: the update of the task resumed at its end "
+                "is wanted again; training the task again from the checkpoint before it",
+                file=sys.stderr,
+            )
+        found = load_newest(self.ckpt_place, model, optimizer, before=self._resumed_from)
+        if found is None:
+            optimizer.state.clear()  # the task was the first: from a fresh optimiser
+            return None
+        extra = found[1]
+        return int(extra["round"]), unit_name(int(extra.get("unit", -1))), int(extra["step"])
 
     def _wait_round(self) -> RoundSpec:
         # Rank 0 waits for the agent with a short timeout and tells the others each time, so

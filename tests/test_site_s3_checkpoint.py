@@ -119,7 +119,7 @@ def test_data_without_a_manifest_is_never_read(store, aws):
     assert store.names() == ["step-1"]
     place = CheckpointPlace(store.staging, store)
     other, other_opt = _trained(5, steps=1)
-    assert load_newest(place, other, other_opt)["round"] == 1
+    assert load_newest(place, other, other_opt) == ("step-1", {"round": 1})
     with pytest.raises(SiteCheckpointError, match="never completed"):
         store.load("step-2", other, other_opt)
 
@@ -141,8 +141,8 @@ def test_damaged_object_is_refused_naming_it_and_the_previous_checkpoint_used(st
     assert store.url("step-2") in str(err.value)
     _same(before, _state(model, opt))  # a refused load changes nothing
     with caplog.at_level(logging.ERROR, logger="isthmus.trainer"):
-        extra = load_newest(CheckpointPlace(store.staging, store), model, opt)
-    assert extra["round"] == 1
+        target, extra = load_newest(CheckpointPlace(store.staging, store), model, opt)
+    assert (target, extra["round"]) == ("step-1", 1)
     _same(_state(first, first_opt), _state(model, opt))
     text = caplog.text
     assert "__0_0.distcp" in text and f"previous site checkpoint {store.url('step-1')}" in text

@@ -1,0 +1,178 @@
+"""A task done again: two FSDP2 trainers under a real site agent, against a scripted coordinator.
+
+The checkpoint of a task's end holds the optimiser state without the model (the next theta
+replaces it). Round 0 counts; round 1's update is handed over and its end checkpointed, and
+then the agent is lost before its push counted (its memory goes; the trainers are killed). A
+new agent on the same run folder is handed round 1 again: the trainers resume at its end,
+which holds no model to make the update from, so they load the checkpoint before it (round
+0's end, momentum included), load theta_1 and train round 1 again. The update pushed then must
+be the lost one, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from test_site_units_trainers import launch, records
+
+from site_client.agent import AgentConfig, SiteAgent
+from site_client.checkpoint import MANIFEST
+from site_client.coordinator_client import GlobalState
+from site_client.errors import CoordinatorError
+from wire.proto import isthmus_pb2 as pb
+from wire.safetensors_io import map_tensors, write_tensors
+from wire.tensors import state_hash
+
+pytestmark = pytest.mark.e2e
+H = 4
+ROUNDS = 2
+
+TRAINER = """
+import json, os, sys
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from site_client.trainer import SiteSession
+
+torch.set_num_threads(1)
+session = SiteSession(backend="gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+fully_shard(model, mesh=init_device_mesh("cpu", (session.world_size,)))
+# Momentum: a task done again from the wrong optimiser state gives another update.
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+out = os.path.join(sys.argv[1], f"rank{session.rank}-restart{session.restart_count}.jsonl")
+for rnd in session.rounds(model, opt):
+    for step in rnd.steps():
+        g = torch.Generator().manual_seed(rnd.number * 100 + step)
+        model(torch.randn(4, 4, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    record = [rnd.number, rnd.data_unit, rnd.start_step, rnd.completed_steps, rnd.cancelled]
+    with open(out, "a") as f:
+        f.write(json.dumps(record) + "\\n")
+session.close()
+"""
+
+
+def theta(version: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    return {k: v.detach() * (1.0 + version) for k, v in model.state_dict().items()}
+
+
+class ScriptedCoordinator:
+    """Round ``first`` onwards, one round per push; with ``lose``, the push of that round
+    is taken (its bytes kept) and never answered until ``release``, then fails."""
+
+    def __init__(self, first: int, lose: int | None) -> None:
+        self.lock = threading.Lock()
+        self.round, self.lose = first, lose
+        self.pushed: dict[int, bytes] = {}
+        self.captured, self.released = threading.Event(), threading.Event()
+        self.bytes_sent = self.bytes_received = 0
+
+    def info(self) -> pb.RoundInfo:
+        if self.round >= ROUNDS:
+            return pb.RoundInfo(round=ROUNDS, version=ROUNDS, total_rounds=ROUNDS, finished=True)
+        return pb.RoundInfo(
+            round=self.round,
+            version=self.round,
+            theta_hash=state_hash(theta(self.round)),
+            inner_steps=H,
+            total_rounds=ROUNDS,
+            participant=True,
+        )
+
+    def join(self) -> pb.JoinReply:
+        return pb.JoinReply(round=self.info(), job_name="redo", heartbeat_interval_s=0.05)
+
+    def heartbeat(self, progress=None, health=None) -> pb.HeartbeatReply:
+        with self.lock:
+            return pb.HeartbeatReply(round=self.info())
+
+    def wait_round(self, known, timeout_s) -> pb.WaitRoundReply:
+        time.sleep(min(timeout_s, 0.05))
+        return pb.WaitRoundReply(round=self.heartbeat().round)
+
+    def fetch(self, version, held=None, dest=None) -> GlobalState:
+        if held is not None and held.version == version:
+            return held
+        t = theta(version)
+        write_tensors(dest, t)
+        file = map_tensors(dest)
+        return GlobalState(version, file.tensors, state_hash(t), dest, file)
+
+    def push(self, round_number, payload, *, hold=None, abort=None, **kw) -> pb.PushReply:
+        assert hold is not None and hold.wait(60), "the trainers never checkpointed the task"
+        data = b"".join(bytes(c) for _, c in payload.chunks(0, 1 << 20))
+        with self.lock:
+            self.pushed[round_number] = data
+        if round_number == self.lose:
+            self.captured.set()
+            self.released.wait(60)
+            raise CoordinatorError(grpc.StatusCode.UNAVAILABLE, "the site is gone")
+        with self.lock:
+            self.round = round_number + 1
+        return pb.PushReply(complete=True, message="counted")
+
+    def leave(self, reason="") -> None:
+        pass
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+
+
+def test_a_task_whose_update_was_lost_after_its_end_checkpoint_is_trained_again_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    run = tmp_path / "run"
+    first = ScriptedCoordinator(first=0, lose=1)
+    agent = SiteAgent(AgentConfig("site-0", run, tmp_path / "shm-1", wait_poll_s=0.2), first)
+    agent.start()
+    procs = launch(tmp_path, agent, 0, "")
+    try:
+        assert first.captured.wait(120), (tmp_path / "rank0-restart0.log").read_text()[-2000:]
+        _kill(procs)  # the site is lost with its update unanswered: nothing of it counted
+        first.released.set()
+        agent.stop(leave=False)
+
+        ends = sorted((run / "checkpoints").glob("step-*"))
+        manifests = [json.loads((p / MANIFEST).read_text()) for p in ends]
+        assert [(m["extra"]["round"], m["extra"]["step"]) for m in manifests] == [(0, H), (1, H)]
+        assert [m["has_model"] for m in manifests] == [False, False]
+
+        second = ScriptedCoordinator(first=1, lose=None)
+        agent = SiteAgent(AgentConfig("site-0", run, tmp_path / "shm-2", wait_poll_s=0.2), second)
+        agent.start()
+        procs = launch(tmp_path, agent, 1, "")
+        codes = [p.wait(timeout=120) for p in procs]
+        logs = [(tmp_path / f"rank{r}-restart1.log").read_text() for r in range(2)]
+        assert codes == [0, 0], [x[-2000:] for x in logs]
+    finally:
+        first.released.set()
+        _kill(procs)
+        agent.stop(leave=False)
+
+    for rank in range(2):
+        assert records(tmp_path, rank, 0)[0] == [0, "", 0, H, False]
+        # Round 1 again from its first step (not resumed at its end), to its end.
+        assert records(tmp_path, rank, 1) == [[1, "", 0, H, False]]
+    assert "training the task again from the checkpoint before it" in logs[0]
+    assert second.pushed[1] == first.pushed[1]  # the lost update, bit for bit
+    assert second.pushed[1] != first.pushed[0]
+    final = json.loads((run / "final.json").read_text())
+    assert final["version"] == ROUNDS
