@@ -190,10 +190,11 @@ def encode_extra(extra: Extra | None) -> dict[str, Any]:
 class AsyncCheckpointer:
     """Site checkpoints written in the background while training goes on.
 
-    ``save`` snapshots the rank's state (a copy of its shard of the model and optimiser) and
-    returns; a thread writes it with the usual atomic protocol, on a process group of its own
-    so that its collectives never interleave with training's. At most one write is in flight:
-    the next ``save`` waits for the previous one. ``on_done`` runs (in the writer thread) once
+    ``save`` snapshots the rank's state (a copy of its shard of the model and optimiser,
+    unless told the state stays still until the write is done) and returns; a thread writes
+    it with the usual atomic protocol, on a process group of its own so that its collectives
+    never interleave with training's. At most one write is in flight: the next ``save`` waits
+    for the previous one. ``on_done`` runs (in the writer thread) once
     the checkpoint is complete on disk.
     """
 
@@ -206,10 +207,12 @@ class AsyncCheckpointer:
         self._last: Future | None = None
 
     def save(
-        self, path, model, optimizer, extra: Extra | None = None, on_done=None, with_model=True
+        self, path, model, optimizer, extra=None, on_done=None, with_model=True, copy=True
     ) -> Future:
+        """Write in the background; without ``copy`` the write reads the live tensors, and
+        the caller must ``wait`` before anything changes them."""
         self.wait()
-        staged = stage_state(model, optimizer, copy=True, with_model=with_model)
+        staged = stage_state(model, optimizer, copy=copy, with_model=with_model)
         staged.release(optimizer)
 
         def write() -> Path:

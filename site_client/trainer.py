@@ -225,7 +225,9 @@ class SiteSession:
         """The tasks the agent hands out, each with theta_r loaded into ``model``.
 
         After the body of the loop, the task's update is handed to the agent unless the task
-        was cancelled. Ends when the job is finished, with the final theta loaded.
+        was cancelled. Ends when the job is finished, with the final theta loaded. The
+        checkpoint of a task's end is written from the optimiser's own tensors while the WAN
+        sync runs: change them only inside ``rnd.steps()``, whose first step waits for it.
         """
         if self.streaming is not None:
             yield from StreamingRounds(self, self.streaming).run(model, optimizer)
@@ -325,7 +327,12 @@ class SiteSession:
         on_done = written if self.is_driver else None
         path = self.ckpt_place.target(seq)
         started = time.monotonic()
-        self.checkpointer.save(path, model, optimizer, extra, on_done, with_model=model_too)
+        # A task's end without the model: nothing changes the optimiser's state before the
+        # next task's first step, which waits for the write (``Round.steps``): no copy.
+        lean = task_end and not model_too
+        self.checkpointer.save(
+            path, model, optimizer, extra, on_done, with_model=model_too, copy=not lean
+        )
         self._timing("checkpoint_staged", started, round=rnd.number, step=step)
         self._last_seq = seq
 

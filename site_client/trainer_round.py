@@ -46,8 +46,9 @@ class RoundHooks:
         Write a site checkpoint of this step (in the background).
     settle
         Wait for the checkpoint being written. Called after every step: a checkpoint overlaps
-        the one inner step after it (or, at a task's end, the WAN sync and the next task's
-        first step), so a crash loses at most that step.
+        the one inner step after it, so a crash loses at most that step; and before a task's
+        first step: the checkpoint of the last task's end (which overlaps the WAN sync) holds
+        no copy of the optimiser's state.
     checkpoint_every
         Inner steps between periodic checkpoints (0: only at the end of the task).
     report
@@ -122,6 +123,9 @@ class Round:
         hooks = self._hooks
         if self.start_step < self.inner_steps and self._cancel_requested():
             return
+        # The checkpoint of the last task's end reads the optimiser's own tensors (no copy):
+        # it must be on disk before the first step changes them.
+        hooks.settle()
         first_at = last_at = None
         try:
             for step in range(self.start_step, self.inner_steps):

@@ -4,14 +4,17 @@ resume rule's "the checkpoint before this one"."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 import torch
-from test_site_checkpoint import _snapshot, _trained_plain
+from test_site_checkpoint import TINY, _snapshot, _trained_plain
 
+from examples.gpt_diloco.model import lm_loss
 from site_client.checkpoint import (
     MANIFEST,
+    AsyncCheckpointer,
     SiteCheckpointError,
     load_site_checkpoint,
     save_site_checkpoint,
@@ -20,6 +23,7 @@ from site_client.checkpoint import (
     write_staged,
 )
 from site_client.checkpoint_place import CheckpointPlace, load_newest
+from site_client.trainer_round import Round, RoundHooks, RoundSpec
 
 
 def _save_without_model(path: Path, model, opt, extra=None) -> Path:
@@ -104,3 +108,40 @@ def test_the_newest_before_a_checkpoint_is_the_one_written_before_it(tmp_path):
     assert load_newest(place, other, other_opt, before=oldest) is None
     with pytest.raises(SiteCheckpointError, match="no checkpoint before .*gone"):
         load_newest(place, other, other_opt, before=tmp_path / "gone")
+
+
+def test_the_next_tasks_first_step_waits_for_a_task_end_written_without_a_copy(tmp_path):
+    model, opt = _trained_plain(seed=1)
+    want = _optimiser_state(opt)
+    release, order = threading.Event(), []
+
+    def slow_write(path, staged, extra, config=None, group=None):
+        release.wait(30)
+        order.append("written")
+        return write_staged(path, staged, extra, config=config, group=group)
+
+    checkpointer = AsyncCheckpointer(write=slow_write)
+    end = checkpointer.save(
+        tmp_path / "end", model, opt, {"round": 0}, with_model=False, copy=False
+    )
+    hooks = RoundHooks(
+        cancel_requested=lambda rnd, step: False,
+        after_step=lambda rnd, step: None,
+        checkpoint=lambda rnd, step: None,
+        settle=checkpointer.wait,
+        checkpoint_every=0,
+        report=lambda **metrics: None,
+    )
+    threading.Timer(0.2, release.set).start()
+    x = torch.randint(0, 256, (2, TINY["seq_len"]), generator=torch.Generator().manual_seed(9))
+    for step in Round(RoundSpec(1, 1, 2, 3, False), 0, hooks).steps():
+        order.append(f"step {step}")
+        lm_loss(model(x), x).backward()
+        opt.step()  # changes the very tensors the write reads
+        opt.zero_grad()
+    checkpointer.close()
+    assert order == ["written", "step 0", "step 1"]
+    other, other_opt = _trained_plain(seed=2)
+    load_site_checkpoint(end.result(), other, other_opt)
+    got = _optimiser_state(other_opt)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))  # as before step 0
