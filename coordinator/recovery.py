@@ -116,10 +116,12 @@ def resume(core) -> None:
         for update in checks(s.round.number).good:
             if update.key.late_from is not None:  # folded before the round opened
                 s.accepted[update.key] = update
-    # After a takeover every update of the round in flight is wanted: they went to a spool
-    # on another host (a site re-sends one it delivered there; one never sent is just sent).
-    every = core.term is not None
-    s.wanted = Wanted(s.round.number, _lost(checks(s.round.number), pin), every)
+    # After a takeover every update of the round in flight (and of the next) is wanted: they
+    # went to a spool on another host (a site re-sends one it delivered there; one never sent
+    # is just sent).
+    lost = _lost(checks(s.round.number), pin)
+    takeover = core.term is not None
+    s.wanted = (Wanted.after_takeover if takeover else Wanted)(s.round.number, lost)
     s.pinned = pin if s.round.opened_at is not None else None
     # A drained site is refused when it re-joins: holding a lease for it would only keep the
     # round waiting for an update that cannot come.
@@ -265,7 +267,7 @@ def after_pinned_close(core, kept: bool) -> None:
         if s.round.number != number or s.round.opened_at is not None:
             return
         if _reopen(core, number, check, None) is not None:
-            s.wanted = Wanted(number, _lost(check, None))
+            s.wanted = Wanted(number, _lost(check, None), s.wanted.every_through)
             s.changed()
 
 

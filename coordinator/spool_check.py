@@ -142,19 +142,26 @@ def check_round(spool: UpdateSpool, round_number: int) -> SpoolCheck:
 class Wanted:
     """Updates of round ``round`` whose spooled copy was lost: their sites are asked again.
 
-    ``every``: all of the round's updates are (a coordinator elected through etcd took over
-    from another host, whose spool it does not have)."""
+    ``every_through``: every update of the rounds from ``round`` to this one is wanted (a
+    coordinator elected through etcd took over from another host, whose spool it does not
+    have). That is the round of the checkpoint it took over from and the next: the old leader
+    opens round r+1 as soon as theta_{r+1} is recoverable, before its checkpoint is
+    committed, and sites may have delivered round r+1's updates there; round r+2 opens only
+    once that checkpoint is."""
 
     round: int = -1
     keys: frozenset[UpdateKey] = frozenset()
-    every: bool = False
+    every_through: int = -1
+
+    @classmethod
+    def after_takeover(cls, round_number: int, keys: frozenset[UpdateKey]) -> Wanted:
+        return cls(round_number, keys, every_through=round_number + 1)
 
     def asks_for(self, round_number: int, key: UpdateKey, counted, committing) -> bool:
         """Whether ``key`` is wanted again in ``round_number``: its copy was lost and no other
         is counted or being counted."""
-        return (
-            round_number == self.round
-            and (self.every or key in self.keys)
-            and key not in counted
-            and key not in committing
-        )
+        if key in counted or key in committing:
+            return False
+        if self.round <= round_number <= self.every_through:
+            return True
+        return round_number == self.round and key in self.keys

@@ -86,6 +86,7 @@ class Upload:
     paths: list[str]
     weight: float
     version: int
+    theta_hash: str = ""  # of theta_version, as trained from ("": not known)
     aborted: bool = False
     redo: bool = False  # withdrawn because the trainers restarted: they train the task again
     durable: threading.Event = field(default_factory=threading.Event)
@@ -109,6 +110,8 @@ class TaskBook:
     ----------
     issued
         Task -> the theta version it was handed out with (a submit must name one of these).
+    issued_hash
+        Task -> the hash of that theta.
     pending
         Updates not yet pushed, oldest first; the one being pushed stays here until it ends.
     finished
@@ -130,6 +133,7 @@ class TaskBook:
     """
 
     issued: dict[Task, int] = field(default_factory=dict)
+    issued_hash: dict[Task, str] = field(default_factory=dict)
     pending: dict[Task, Upload] = field(default_factory=dict)
     finished: set[Task] = field(default_factory=set)
     cancelled: dict[str, int] = field(default_factory=dict)
@@ -149,8 +153,9 @@ class TaskBook:
         """Nothing more to train for ``task``: delivered, handed over, or cancelled."""
         return task in self.finished or task in self.pending or self.is_cancelled(task)
 
-    def issue(self, task: Task, version: int) -> None:
+    def issue(self, task: Task, version: int, theta_hash: str = "") -> None:
         self.issued[Task(*task)] = version
+        self.issued_hash[Task(*task)] = theta_hash
 
     def checkpointed(self, task: Task) -> None:
         """The trainers' checkpoint of the end of ``task`` is on disk."""
@@ -181,7 +186,7 @@ class TaskBook:
         if task not in self.issued:
             raise ValueError(f"{describe(task)} is not a task this site handed out")
         files = [paths] if isinstance(paths, str) else list(paths)
-        upload = Upload(task, files, weight, self.issued[task])
+        upload = Upload(task, files, weight, self.issued[task], self.issued_hash.get(task, ""))
         if task in self.durable:
             upload.durable.set()
         self.pending[task] = upload
@@ -217,6 +222,7 @@ class TaskBook:
     def _drop(self, abort: bool) -> tuple[list[Upload], Upload | None]:
         for task in [t for t in self.issued if self.is_cancelled(t)]:
             del self.issued[task]
+            self.issued_hash.pop(task, None)
         dropped: list[Upload] = []
         aborted = None
         for i, (task, upload) in enumerate(list(self.pending.items())):
@@ -267,6 +273,7 @@ class TaskBook:
             return
         self.finished.add(upload.task)
         self.issued.pop(upload.task, None)
+        self.issued_hash.pop(upload.task, None)
         self.pushing = False
         if counted and upload.payload is not None:
             self.delivered[upload.task] = upload
@@ -278,11 +285,19 @@ class TaskBook:
         upload.early = True
 
     def wanted_again(self, info: pb.RoundInfo | None) -> Task | None:
-        """The delivered task ``info`` asks for again, if this site still holds its update."""
+        """The delivered task ``info`` asks for again, if this site still holds its update and
+        it was trained from the theta the coordinator serves for its round. A coordinator that
+        took over may have closed the round before it differently; the update is then not
+        sent, and the round goes on without it by its rules (deadline, quorum)."""
         task = task_of(info)
         if task is None or not info.update_wanted or task in self.pending:
             return None
-        return task if task in self.delivered else None
+        held = self.delivered.get(task)
+        if held is None:
+            return None
+        if held.theta_hash and info.theta_hash and held.theta_hash != info.theta_hash.hex():
+            return None
+        return task
 
     def take_back(self, task: Task) -> Upload | None:
         """Queue the delivered update of ``task`` again, first (it is what the coordinator

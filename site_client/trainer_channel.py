@@ -165,7 +165,8 @@ class TrainerChannel:
                 return {"ready": True, "drained": True, "finished": False}
             offer = self.offer()
             if not offer["finished"]:
-                s.book.issue(Task(offer["round"], offer["data_unit"]), offer["version"])
+                task = Task(offer["round"], offer["data_unit"])
+                s.book.issue(task, offer["version"], offer["theta_hash"])
                 s.compute.task_taken(time.monotonic())
             if self.cfg.nodes > 1 and (lease := self.lease()) is not None:
                 offer["lease"] = lease_json(lease)  # for the other nodes' agents

@@ -138,3 +138,16 @@ def test_a_changed_theta_of_the_same_version_is_fetched_again_whole(site) -> Non
     agent.wan.fetch()
     assert client.fetches == [0, 1, 1] and agent.state.ready.theta_path != first
     assert agent.state.ready.theta_hash == bytes(32).hex() and agent.wan.work() is None
+
+
+def test_an_update_trained_from_another_theta_than_the_one_served_is_not_sent_again(site) -> None:
+    # A coordinator that took over closed the round before differently: its theta_0 is not
+    # the one this update was trained from, so these bytes must not count for its round.
+    agent, client, tmp = site
+    train_and_push(agent, tmp, (0, ""))
+    other = wanted(client.info(0, ""))
+    other.theta_hash = bytes(32)
+    beat(agent, other)
+    assert agent.wan.work() != "resend"
+    beat(agent, wanted(client.info(0, "")))  # the theta it was trained from: sent again
+    assert agent.wan.work() == "resend"
