@@ -47,6 +47,7 @@ log = logging.getLogger("isthmus.coordinator")
 def load(core) -> tuple[CoordinatorState, object, list[str]]:
     cfg = core.cfg
     ckpt = core.store.load_latest()
+    core.new_job = ckpt is None  # no leader ran before this one
     if ckpt is None:
         initial = initial_theta(cfg.model)  # the model itself goes once its file is written
         initial_hash = state_hash(initial)
@@ -118,9 +119,9 @@ def resume(core) -> None:
                 s.accepted[update.key] = update
     # After a takeover every update of the round in flight (and of the next) is wanted: they
     # went to a spool on another host (a site re-sends one it delivered there; one never sent
-    # is just sent).
+    # is just sent). The first leader of a new job takes over from nobody.
     lost = _lost(checks(s.round.number), pin)
-    takeover = core.term is not None
+    takeover = core.term is not None and not core.new_job
     s.wanted = (Wanted.after_takeover if takeover else Wanted)(s.round.number, lost)
     s.pinned = pin if s.round.opened_at is not None else None
     # A drained site is refused when it re-joins: holding a lease for it would only keep the

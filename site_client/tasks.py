@@ -96,6 +96,7 @@ class Upload:
     part: object | None = None
     upload_id: str | None = None
     early: bool = False  # refused as early: pushed again once its round is open here
+    resent: bool = False  # counted before, taken back because the coordinator asked again
 
     def discard_files(self) -> None:
         for path in self.paths:
@@ -275,7 +276,9 @@ class TaskBook:
         self.issued.pop(upload.task, None)
         self.issued_hash.pop(upload.task, None)
         self.pushing = False
-        if counted and upload.payload is not None:
+        # Sent again, it had counted before, whatever this push's outcome (the request may have
+        # been stale, its round closed since): kept in case it is asked for once more.
+        if (counted or upload.resent) and upload.payload is not None:
             self.delivered[upload.task] = upload
 
     def hold(self, upload: Upload) -> None:
@@ -305,7 +308,7 @@ class TaskBook:
         if self.pushing or task not in self.delivered:
             return None  # the one being pushed stays first
         upload = self.delivered.pop(task)
-        upload.aborted = False
+        upload.aborted, upload.resent = False, True
         self.finished.discard(task)
         self.pending = {task: upload, **self.pending}
         return upload

@@ -151,3 +151,19 @@ def test_an_update_trained_from_another_theta_than_the_one_served_is_not_sent_ag
     assert agent.wan.work() != "resend"
     beat(agent, wanted(client.info(0, "")))  # the theta it was trained from: sent again
     assert agent.wan.work() == "resend"
+
+
+def test_a_resend_refused_keeps_the_update_for_a_later_ask(site) -> None:
+    # The ask may be stale (sent before the first copy counted) and the round closed since:
+    # the update counted once and must stay at hand until its round is let go.
+    agent, client, tmp = site
+    train_and_push(agent, tmp, (0, ""))
+    beat(agent, wanted(client.info(0, "")))
+    client.push_error = CoordinatorError(grpc.StatusCode.FAILED_PRECONDITION, "round 0 is closed")
+    agent.wan.resend()
+    assert len(client.sent) == 2 and (0, "") in agent.state.book.delivered
+    client.push_error = None
+    beat(agent, wanted(client.info(0, "")))  # asked once more: the same bytes go again
+    assert agent.wan.work() == "resend"
+    agent.wan.resend()
+    assert len(client.sent) == 3 and client.sent[2] == client.sent[0]
