@@ -192,6 +192,10 @@ class WanWorker:
         job.discard_files()  # a held payload keeps its mapping of them
         with s.cond:
             s.book.end_upload(job, counted)
+            if counted and s.info is not None and task_of(s.info) == job.task:
+                # An ask for it again heard meanwhile predates this count: the
+                # coordinator's next reply says whether it still wants it.
+                s.info.update_wanted = False
             s.progress.phase = "idle"
             s.cond.notify_all()
         sent, seconds = self.client.bytes_sent - sent_before, time.monotonic() - started

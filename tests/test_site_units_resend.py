@@ -167,3 +167,15 @@ def test_a_resend_refused_keeps_the_update_for_a_later_ask(site) -> None:
     assert agent.wan.work() == "resend"
     agent.wan.resend()
     assert len(client.sent) == 3 and client.sent[2] == client.sent[0]
+
+
+def test_an_ask_heard_while_the_first_copy_was_pushed_is_dropped_once_it_counts(site) -> None:
+    # The coordinator asked (after a takeover, every update of the round is wanted) before
+    # this site's first copy counted; once it counted, the ask is out of date.
+    agent, client, tmp = site
+    client.during_push = lambda: beat(agent, wanted(client.info(0, "")))
+    train_and_push(agent, tmp, (0, ""))
+    client.during_push = None
+    assert agent.wan.work() != "resend" and len(client.sent) == 1
+    beat(agent, wanted(client.info(0, "")))  # asked after the count: it is lost after all
+    assert agent.wan.work() == "resend"
