@@ -20,8 +20,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
-from test_site_units_trainers import launch, records
+from test_site_units_trainers import TRAINER as UNITS_TRAINER
+from test_site_units_trainers import launch, records, theta
 
 from site_client.agent import AgentConfig, SiteAgent
 from site_client.checkpoint import MANIFEST
@@ -35,38 +35,22 @@ pytestmark = pytest.mark.e2e
 H = 4
 ROUNDS = 2
 
-TRAINER = """
-import json, os, sys
-import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from site_client.trainer import SiteSession
 
-torch.set_num_threads(1)
-session = SiteSession(backend="gloo")
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-fully_shard(model, mesh=init_device_mesh("cpu", (session.world_size,)))
-# Momentum: a task done again from the wrong optimiser state gives another update.
-opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-out = os.path.join(sys.argv[1], f"rank{session.rank}-restart{session.restart_count}.jsonl")
-for rnd in session.rounds(model, opt):
-    for step in rnd.steps():
-        g = torch.Generator().manual_seed(rnd.number * 100 + step)
-        model(torch.randn(4, 4, generator=g)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    record = [rnd.number, rnd.data_unit, rnd.start_step, rnd.completed_steps, rnd.cancelled]
-    with open(out, "a") as f:
-        f.write(json.dumps(record) + "\\n")
-session.close()
-"""
+def _variant(script: str, *changes: tuple[str, str]) -> str:
+    for old, new in changes:
+        assert old in script, old
+        script = script.replace(old, new)
+    return script
 
 
-def theta(version: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    return {k: v.detach() * (1.0 + version) for k, v in model.state_dict().items()}
+# The trainer of ``test_site_units_trainers``: no periodic checkpoints, federated data, and
+# momentum (a task done again from the wrong optimiser state gives another update).
+TRAINER = _variant(
+    UNITS_TRAINER,
+    ('SiteSession(backend="gloo", checkpoint_every=2)', 'SiteSession(backend="gloo")'),
+    ("SGD(model.parameters(), lr=0.1)", "SGD(model.parameters(), lr=0.1, momentum=0.9)"),
+    ("manual_seed(rnd.data_unit_index * 100 + step)", "manual_seed(rnd.number * 100 + step)"),
+)
 
 
 class ScriptedCoordinator:

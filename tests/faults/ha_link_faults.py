@@ -67,8 +67,15 @@ def cut_leader_from_etcd(c: HaCluster) -> Cutoff:
 
 
 def cut_store_while_round_open(c: HaCluster) -> None:
-    """The object store is unreachable for ``STORE_CUT_S`` from the middle of round 1."""
-    c.wait_for(lambda: c.sites[0].reached(ROUND, 2), 120, "site-0 in round 1")
+    """The object store is unreachable for ``STORE_CUT_S`` from the middle of round 1, once
+    round 1's own checkpoint (round 0's close) is committed: the next one meets the cut."""
+
+    def in_round() -> bool:
+        with c.watcher.lock:
+            committed = ROUND in c.watcher.manifests
+        return committed and c.sites[0].reached(ROUND, 2)
+
+    c.wait_for(in_round, 120, "site-0 in round 1, its checkpoint committed")
     _cut_store(c)
 
 
