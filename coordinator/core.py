@@ -88,8 +88,7 @@ class CoordinatorCore:
         self.writer = CheckpointWriter(self.store, self.stopping)
         self._folder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fold")
         self.theta_files = ThetaFiles(cfg.state_dir / "theta", self._folder, self.stopping)
-        self._stopping = False
-        self.new_job = False  # set by recovery.load: no checkpoint was there to resume from
+        self._stopping, self.new_job = False, False  # new_job: recovery.load tells
         self.state, self.data, self.trainable = recovery.load(self)
         # With [streaming]: the fragment each round syncs (a plan that cannot be made stops
         # the start here with its ConfigError).
