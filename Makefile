@@ -47,7 +47,7 @@ test: $(VENV)/.dev chromium etcd
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -m "not slow" -n 2
 
-# The slow tests: the whole fault matrix and more (71 tests, 26-28 minutes on 2 cores); `python -m bench.chaos` runs
+# The slow tests: the whole fault matrix and more (71 tests, 26-30 minutes on 2 cores); `python -m bench.chaos` runs
 # the same scenarios and prints the summary figures.
 test-slow: $(VENV)/.dev etcd
 	$(BIN)/python -m pytest -q -m slow
