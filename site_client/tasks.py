@@ -110,9 +110,8 @@ class TaskBook:
     Attributes
     ----------
     issued
-        Task -> the theta version it was handed out with (a submit must name one of these).
-    issued_hash
-        Task -> the hash of that theta.
+        Task -> the theta version it was handed out with and that theta's hash (a submit
+        must name one of these tasks).
     pending
         Updates not yet pushed, oldest first; the one being pushed stays here until it ends.
     finished
@@ -133,8 +132,7 @@ class TaskBook:
         again; released when the round after next opens, or when another copy of the unit won.
     """
 
-    issued: dict[Task, int] = field(default_factory=dict)
-    issued_hash: dict[Task, str] = field(default_factory=dict)
+    issued: dict[Task, tuple[int, str]] = field(default_factory=dict)
     pending: dict[Task, Upload] = field(default_factory=dict)
     finished: set[Task] = field(default_factory=set)
     cancelled: dict[str, int] = field(default_factory=dict)
@@ -155,8 +153,7 @@ class TaskBook:
         return task in self.finished or task in self.pending or self.is_cancelled(task)
 
     def issue(self, task: Task, version: int, theta_hash: str = "") -> None:
-        self.issued[Task(*task)] = version
-        self.issued_hash[Task(*task)] = theta_hash
+        self.issued[Task(*task)] = (version, theta_hash)
 
     def checkpointed(self, task: Task) -> None:
         """The trainers' checkpoint of the end of ``task`` is on disk."""
@@ -187,7 +184,7 @@ class TaskBook:
         if task not in self.issued:
             raise ValueError(f"{describe(task)} is not a task this site handed out")
         files = [paths] if isinstance(paths, str) else list(paths)
-        upload = Upload(task, files, weight, self.issued[task], self.issued_hash.get(task, ""))
+        upload = Upload(task, files, weight, *self.issued[task])
         if task in self.durable:
             upload.durable.set()
         self.pending[task] = upload
@@ -223,7 +220,6 @@ class TaskBook:
     def _drop(self, abort: bool) -> tuple[list[Upload], Upload | None]:
         for task in [t for t in self.issued if self.is_cancelled(t)]:
             del self.issued[task]
-            self.issued_hash.pop(task, None)
         dropped: list[Upload] = []
         aborted = None
         for i, (task, upload) in enumerate(list(self.pending.items())):
@@ -274,7 +270,6 @@ class TaskBook:
             return
         self.finished.add(upload.task)
         self.issued.pop(upload.task, None)
-        self.issued_hash.pop(upload.task, None)
         self.pushing = False
         # Sent again, it had counted before, whatever this push's outcome (the request may have
         # been stale, its round closed since): kept in case it is asked for once more.
