@@ -100,7 +100,7 @@ What is real (the service's own code paths)
   ``outer_step``).
 - Downlink: ``wire.downlink.encode_delta(theta_r, theta_{r+1}, config, coordinator_state)``; the
   official theta_{r+1} is ``apply_delta(theta_r, manifest, payload)``, what every site computes
-  from the same bytes (the two calls ``coordinator.downlink.Downlink.step`` makes).
+  from the same bytes (the two calls ``coordinator.round.downlink.Downlink.step`` makes).
 - Codecs: one codec for every tensor of a link (norms and biases included); a run uses one
   codec family on both links, except where its label names two (uplink/downlink).
 - Streaming: the fragment plan and the ``[streaming]`` checks are ``wire.fragments``'; uplinks

@@ -44,7 +44,7 @@ def site_loop(address: str, stop: threading.Event, errors: list) -> None:
     import torch
     from coord_harness import TRAINABLE
 
-    from site_client.coordinator_client import CoordinatorClient
+    from site_client.transfer.client import CoordinatorClient
     from wire.backoff import BackoffPolicy
 
     backoff = BackoffPolicy(initial_s=0.05, cap_s=0.5, deadline_s=120)
@@ -70,8 +70,8 @@ def site_loop(address: str, stop: threading.Event, errors: list) -> None:
 def takeovers(folder: Path, kills: int, ttl: int, etcd, url: str) -> list[float]:
     import coord_harness as h
 
-    from coordinator.ha_cli import call_leader
-    from coordinator.storage import StorageConfig, open_store
+    from coordinator.cli.ha import call_leader
+    from coordinator.persist.storage_config import StorageConfig, open_store
     from wire.proto import isthmus_pb2 as pb
 
     cfg = h.job_config(storage={"url": url})
@@ -115,9 +115,9 @@ def checkpoint_ratios(mib: int, url: str, seaweed) -> tuple[float, float]:
     import torch
     from boto3.s3.transfer import TransferConfig
 
-    from coordinator.s3_objects import UPLOAD_THREADS
-    from coordinator.storage import StorageConfig, open_store, parse_url
-    from coordinator.store import Checkpoint
+    from coordinator.persist.local_store import Checkpoint
+    from coordinator.persist.storage_config import StorageConfig, open_store, parse_url
+    from wire.objstore.objects import UPLOAD_THREADS
 
     store = open_store(Path(tempfile.gettempdir()), StorageConfig(url))
     theta = {"w": torch.randn(mib << 18)}  # mib MiB of float32

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from site_client.transfer_progress import terminal
+from site_client.transfer.progress import terminal
 
 T = TypeVar("T")
 

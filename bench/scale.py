@@ -33,7 +33,7 @@ WIDTHS = {64: (2048, 4), 256: (4096, 4)}  # MiB -> (width, depth): depth * width
 
 
 def _client_loop(address: str, name: str, rounds: int, payload, errors: list) -> None:
-    from site_client.coordinator_client import CoordinatorClient
+    from site_client.transfer.client import CoordinatorClient
 
     client = CoordinatorClient(address, name)
     try:
@@ -58,7 +58,7 @@ def run(folder: Path, mib: int, sites: int, rounds: int, uploads: str = "auto") 
 
     from bench.sync import residual_stack
     from bench.sync_run import REPO, _env
-    from site_client.update_payload import payload_of
+    from site_client.agent.update_payload import payload_of
     from wire.tensors import pack
 
     shutil.rmtree(folder, ignore_errors=True)  # a new job every time
@@ -76,7 +76,14 @@ def run(folder: Path, mib: int, sites: int, rounds: int, uploads: str = "auto") 
         )
     (folder / "job.toml").write_text(text)
     log = open(folder / "coordinator.log", "w")  # noqa: SIM115 - the child's
-    cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(folder / "job.toml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "coordinator.cli",
+        "serve",
+        "--config",
+        str(folder / "job.toml"),
+    ]
     coord = subprocess.Popen([*cmd, "--insecure"], cwd=REPO, env=_env(), stdout=log, stderr=log)
     peak, done = watch_peak_rss(coord)
     try:

@@ -39,8 +39,8 @@ def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) 
     import torch
 
     from bench.sync import residual_stack
-    from site_client.coordinator_client import CoordinatorClient
-    from site_client.update_payload import payload_of
+    from site_client.agent.update_payload import payload_of
+    from site_client.transfer.client import CoordinatorClient
     from wire.tensors import pack
 
     like = residual_stack(width, depth).state_dict()
@@ -65,7 +65,7 @@ def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) 
             t = time.monotonic()
             theta = client.fetch(dest=dest).theta  # theta_r, whole
             # The payload's bytes, not the bytes received: a piece one stream takes over from
-            # another at the end of a fetch may come twice (site_client.fetch_endgame).
+            # another at the end of a fetch may come twice (site_client.transfer.fetch_endgame).
             took = (time.monotonic() - t, sum(v.nbytes for v in theta.values()))
             timings["fetch"].setdefault(str(k), []).append(took)
             t = time.monotonic()
@@ -88,7 +88,7 @@ def _job(folder: Path, listen: str, width: int, depth: int, rounds: int, streams
     timeouts = {"heartbeat_interval_s": 2.0, "lease_ttl_s": 120.0}
     text = job_config(width, depth, rounds, 1, "fp32", timeouts)
     text = text.replace("min_sites = 2", "min_sites = 1").replace("max_sites = 2", "max_sites = 1")
-    # One site is sent at most half the send slots at once (coordinator.send_slots): at the
+    # One site is sent at most half the send slots at once (coordinator.service.send_slots): at the
     # default 8, a site of 8 streams would be sent 4 and have the others refused and retried.
     server = f'listen = "{listen}:0"\nconcurrent_fetches = {2 * streams}'
     text = text.replace('listen = "127.0.0.1:0"', server)
@@ -108,7 +108,15 @@ def run(link: WanLink, folder: Path, mib: float, repeats: int, streams: list[int
     rounds = repeats * len(streams)
     config = _job(folder, link.addr_b, width, depth, rounds, max(streams))
     log = open(folder / "coordinator.log", "w")  # noqa: SIM115 - the child's
-    cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(config), "--insecure"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "coordinator.cli",
+        "serve",
+        "--config",
+        str(config),
+        "--insecure",
+    ]
     coord = link.popen_in("b", cmd, env=_env(), stdout=log, stderr=log)
     try:
         address = _wait_address(folder / "state" / "address", coord)

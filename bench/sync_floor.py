@@ -24,8 +24,8 @@ from pathlib import Path
 
 import grpc
 
-from wire.grpc_options import channel_options, server_options
 from wire.identity import Bundle
+from wire.net.grpc_options import channel_options, server_options
 
 CHUNK = 1 << 20
 SERVICE = "isthmus.bench.Floor"

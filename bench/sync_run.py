@@ -110,7 +110,14 @@ def run_job(folder: Path, size: str, width: int, depth: int, codec: str, args) -
     (folder / "job.toml").write_text(job_config(width, depth, rounds, h, codec, timeouts))
     env = _env()
     coord_log = open(folder / "coordinator.log", "w")  # noqa: SIM115 - the child's
-    cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(folder / "job.toml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "coordinator.cli",
+        "serve",
+        "--config",
+        str(folder / "job.toml"),
+    ]
     coord = subprocess.Popen(
         [*cmd, "--tls-dir", str(folder / "coord")],
         cwd=REPO,
@@ -182,7 +189,7 @@ def _lines(path: Path) -> list[dict]:
 
 def _events(folder: Path) -> list[dict]:
     """The coordinator's event log, its rotated segments included."""
-    from coordinator.events import read_events
+    from coordinator.events.log import read_events
 
     path = folder / "state" / "events.jsonl"
     return read_events(path) if path.exists() else []
@@ -266,7 +273,7 @@ def allreduce_seconds(numel: int, folder: Path) -> float:
 def import_baseline_rss() -> int:
     """RSS of a process that imported what the coordinator imports, and nothing more."""
     code = (
-        "import coordinator.cli, coordinator.server, pathlib;"
+        "import coordinator.cli, coordinator.service.server, pathlib;"
         "print([l for l in pathlib.Path('/proc/self/status').read_text().splitlines()"
         " if l.startswith('VmRSS')][0].split()[1])"
     )

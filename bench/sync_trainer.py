@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from bench.sync import residual_stack
-from site_client.trainer import SiteSession
+from site_client.trainer.session import SiteSession
 
 
 def main() -> None:

@@ -7,11 +7,12 @@ taken from the config file's folder.
 Each table is a dataclass owned by the code it configures, where its defaults and checks are
 written once (read by ``wire.config_table.load_table``): ``[model]`` in
 ``coordinator.model_source``, ``[aggregation]`` in ``strategies.robust``, ``[rounds]`` in
-``coordinator.rounds``, ``[timeouts]`` in ``coordinator.failure_detector``, ``[speculation]`` in
-``coordinator.speculation``, ``[compression]`` in ``wire.codecs.rules``, ``[events]`` in
-``coordinator.event_history``, ``[evaluation]`` in ``coordinator.evaluation``,
+``coordinator.round.rules``, ``[timeouts]`` in ``coordinator.members.failure_detector``,
+``[speculation]`` in
+``coordinator.data.speculation``, ``[compression]`` in ``wire.codecs.rules``, ``[events]`` in
+``coordinator.events.segments``, ``[evaluation]`` in ``coordinator.observe.evaluation``,
 ``[streaming]`` in ``wire.fragments``, ``[health]`` in ``wire.health``, ``[storage]`` in
-``coordinator.storage`` and ``[transfer]`` in ``wire.transfer``. The rest are here,
+``coordinator.persist.storage_config`` and ``[transfer]`` in ``wire.transfer``. The rest are here,
 with the rules that span tables.
 
 With ``[streaming]`` (P fragments) each coordinator round syncs one fragment and covers
@@ -94,14 +95,14 @@ from typing import Any
 
 import tomli_w
 
-from coordinator.evaluation import EvaluationConfig, needs_factory
-from coordinator.event_history import EventsConfig
-from coordinator.failure_detector import TimeoutsConfig
+from coordinator.data.speculation import SpeculationOptions
+from coordinator.events.segments import EventsConfig
+from coordinator.members.failure_detector import TimeoutsConfig
 from coordinator.model_source import ModelConfig
+from coordinator.observe.evaluation import EvaluationConfig, needs_factory
 from coordinator.overrides import apply_overrides
-from coordinator.rounds import RoundsConfig
-from coordinator.speculation import SpeculationOptions
-from coordinator.storage import StorageConfig
+from coordinator.persist.storage_config import StorageConfig
+from coordinator.round.rules import RoundsConfig
 from strategies.robust import AggregationConfig
 from wire.codecs.rules import CodecConfigError, CompressionConfig, compression_tables
 from wire.config_table import (
@@ -188,12 +189,12 @@ class ServerConfig:
     # stream can upload per second. 0: gRPC sizes it from its bandwidth-delay estimate, which
     # on a busy coordinator grows to tens of MiB per stream.
     receive_window_bytes: int = setting(8 << 20, check=non_negative)
-    # Uploads received at once (``coordinator.receive_slots``): the others wait their turn, in
-    # fold order, so their windows are not held in memory. Unset: sized from the model
+    # Uploads received at once (``coordinator.intake.receive_slots``): the others wait their turn,
+    # in fold order, so their windows are not held in memory. Unset: sized from the model
     # (``upload_slots``: 2 to 8). 0: no limit.
     concurrent_uploads: int | None = setting(None, check=non_negative)
-    # Fetch streams sent at once (``coordinator.send_slots``): the others wait their turn, so
-    # their chunks in flight are not held in memory. 0: no limit.
+    # Fetch streams sent at once (``coordinator.service.send_slots``): the others wait their turn,
+    # so their chunks in flight are not held in memory. 0: no limit.
     concurrent_fetches: int = setting(8, check=non_negative)
     # How long a call's request message may take to arrive once the call is open, and how
     # long a stream may then sit between messages (a push waits, before its last chunk, for

@@ -20,22 +20,24 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from coordinator import heap, recovery, streaming
-from coordinator.accumulate import StreamingMean, start_sum
-from coordinator.checkpointing import CheckpointWriter
-from coordinator.close import CloseParts, ClosePipeline
 from coordinator.config import JobConfig
-from coordinator.counting import UpdateCounter
-from coordinator.disk import until_written
-from coordinator.downlink import Downlink
-from coordinator.drain import DrainList, check_reason, drain_message
-from coordinator.election import Term
-from coordinator.evaluation import Evaluation, describe, load_hook
-from coordinator.evaluator import Evaluator, Reports
-from coordinator.events import EventLog, EventSink
-from coordinator.intake import UpdateIntake
-from coordinator.membership import Membership
-from coordinator.receive_slots import ReceiveSlots, upload_slots
+from coordinator.events.log import EventLog, EventSink
+from coordinator.ha.election import Term
+from coordinator.intake.receive_slots import ReceiveSlots, upload_slots
+from coordinator.intake.receiver import UpdateIntake
+from coordinator.intake.spool import UpdateSpool
+from coordinator.intake.uploads import Upload, UploadBusy, UploadTable
+from coordinator.members.drain import DrainList, check_reason, drain_message
+from coordinator.members.membership import Membership
+from coordinator.members.site_control import SiteControl
+from coordinator.observe.evaluation import Evaluation, describe, load_hook
+from coordinator.observe.evaluator import Evaluator, Reports
+from coordinator.observe.status import StatusSnapshot, snapshot_of
+from coordinator.persist.checkpointing import CheckpointWriter
+from coordinator.persist.disk import until_written
+from coordinator.persist.local_store import StoreError
+from coordinator.persist.storage_config import open_store
+from coordinator.persist.theta_writer import ThetaFiles
 from coordinator.records import (
     FatalError,
     Published,
@@ -44,16 +46,15 @@ from coordinator.records import (
     UpdateKey,
     check_name,
 )
-from coordinator.round_driver import RoundDriver
-from coordinator.send_slots import SendSlots
-from coordinator.site_control import SiteControl
-from coordinator.spool import UpdateSpool
-from coordinator.status import StatusSnapshot, snapshot_of
-from coordinator.storage import open_store
-from coordinator.store import StoreError
-from coordinator.streaming import RoundTensors
-from coordinator.theta_files import ThetaFiles
-from coordinator.uploads import Upload, UploadBusy, UploadTable
+from coordinator.round import recovery, round_tensors
+from coordinator.round.accumulate import StreamingMean, start_sum
+from coordinator.round.close import CloseParts, ClosePipeline
+from coordinator.round.counting import UpdateCounter
+from coordinator.round.downlink import Downlink
+from coordinator.round.driver import RoundDriver
+from coordinator.round.round_tensors import RoundTensors
+from coordinator.service import heap
+from coordinator.service.send_slots import SendSlots
 from strategies import RobustAggregator, load_strategy
 from wire.health import Probe
 from wire.transfer import Piece, range_problem
@@ -68,7 +69,7 @@ class CoordinatorCore:
     def __init__(
         self, cfg: JobConfig, clock: Callable[[], float] = time.monotonic, term: Term | None = None
     ) -> None:
-        """``term``: this coordinator was elected through etcd (``coordinator.ha``)."""
+        """``term``: this coordinator was elected through etcd (``coordinator.ha.role``)."""
         self.cfg, self.clock, self.term = cfg, clock, term
         if cfg.evaluation is not None:  # a hook that cannot load is refused before any state
             load_hook(cfg.evaluation.fn)
@@ -76,14 +77,14 @@ class CoordinatorCore:
         self.wake = threading.Condition(self.lock)
         self.send_slots = SendSlots(cfg.server.concurrent_fetches, streams=cfg.transfer.streams)
         self.strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
-        streaming.check_start(cfg.streaming, self.strategy)  # before any state is touched
+        round_tensors.check_start(cfg.streaming, self.strategy)  # before any state is touched
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)
         self._open_state(term)
-        downlink = streaming.downlink_config(cfg.downlink, cfg.streaming)
+        downlink = round_tensors.downlink_config(cfg.downlink, cfg.streaming)
         self.downlink = Downlink(downlink) if downlink is not None else None
         self.sink = EventSink(self.events)
         self.control = self._site_control()
-        # Set when the coordinator stops: what waits for disk space (coordinator.disk) gives up.
+        # Set when the coordinator stops: what waits for disk space (persist.disk) gives up.
         self.stopping = threading.Event()
         self.writer = CheckpointWriter(self.store, self.stopping)
         self._folder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fold")
@@ -128,8 +129,8 @@ class CoordinatorCore:
 
     def _open_state(self, term: Term | None) -> None:
         """The checkpoint store, the spool, the event log and this start's epoch. Under an
-        etcd-elected ``term`` (``coordinator.ha``) the spool of an earlier leadership goes, the
-        store's commits are fenced, and the store refuses the start of a stale candidate."""
+        etcd-elected ``term`` (``coordinator.ha.role``) the spool of an earlier leadership goes,
+        the store's commits are fenced, and the store refuses the start of a stale candidate."""
         cfg = self.cfg
         self.store = open_store(cfg.state_dir, cfg.storage)
         self.spool = UpdateSpool(cfg.state_dir / "spool")
@@ -148,7 +149,7 @@ class CoordinatorCore:
         if cfg.storage.remote and not self.store.read_only:
             # After this start is counted: a deposed leader's commits (and events) are fenced
             # from here on, so what is adopted now is all the log it will ever hold before ours.
-            from coordinator.event_remote import remote_events_for
+            from coordinator.events.remote import remote_events_for
 
             self.store.ship_events = remote_events_for(self.store, self.events).ship
 
@@ -508,7 +509,7 @@ class CoordinatorCore:
         self.uploads.release(upload, piece)
 
     def reserve_slot(self, upload: Upload) -> bool:
-        """Wait for a receive slot for ``upload`` (``coordinator.receive_slots``); True once
+        """Wait for a receive slot for ``upload`` (``coordinator.intake.receive_slots``); True once
         it may send. Waiting uploads are granted in the round's fold order."""
         with self.lock:
             slots = self.state.slots

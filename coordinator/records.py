@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from coordinator.theta_file import ThetaSource
+from coordinator.persist.theta_file import ThetaSource
 from wire.health import Probe
 from wire.proto import isthmus_pb2 as pb
 from wire.tensors import Manifest
@@ -125,7 +125,7 @@ class ClosedRound:
 class PinnedClose:
     """A round decided before a restart whose close cannot be replayed (a spooled update it
     names was damaged): it is open again to take exactly ``keys`` back, then closes as
-    recorded (see ``coordinator.recovery``). ``released``: its deadline passed without them,
+    recorded (see ``coordinator.round.recovery``). ``released``: its deadline passed without them,
     and it closes by the ordinary rules."""
 
     keys: tuple[UpdateKey, ...]
@@ -152,7 +152,7 @@ class Published:
     version: int
     theta_hash: bytes
     manifest: Manifest
-    payload: ThetaSource  # theta's buffer, then its file (``coordinator.theta_file``)
+    payload: ThetaSource  # theta's buffer, then its file (``coordinator.persist.theta_file``)
     delta_from: int | None = None
     delta_manifest: Manifest | None = None
     delta_payload: memoryview | bytes | None = None

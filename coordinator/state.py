@@ -11,12 +11,12 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from coordinator.accumulate import StreamingMean
-from coordinator.evaluation import Evaluation
+from coordinator.intake.spool import SpooledUpdate
+from coordinator.intake.spool_check import Wanted
+from coordinator.observe.evaluation import Evaluation
 from coordinator.records import ClosedRound, PinnedClose, Published, UpdateKey
-from coordinator.rounds import RoundState
-from coordinator.spool import SpooledUpdate
-from coordinator.spool_check import Wanted
+from coordinator.round.accumulate import StreamingMean
+from coordinator.round.rules import RoundState
 from wire.theta import ThetaBuffer
 
 
@@ -42,7 +42,7 @@ class CoordinatorState:
     wanted, pinned
         Set at start-up: updates of the open round whose spooled copy was damaged (their
         sites are asked to send them again), and the recorded close the round must repeat
-        when its record named one of them (``coordinator.recovery``).
+        when its record named one of them (``coordinator.round.recovery``).
     evaluation
         The newest server-side evaluation of theta (``[evaluation]``), for status.
     """

@@ -22,7 +22,7 @@ from wire.cli_flags import (
     quiet_grpc,
 )
 from wire.identity import IdentityError
-from wire.leader import parse_addresses
+from wire.net.leader import parse_addresses
 
 USAGE_HINT = "see `siteclient start --help`"
 # Every flag of the agent's own has a variable, as torchrun's launch flags have PET_*.
@@ -124,7 +124,7 @@ def _add_checkpoint_flags(s: argparse.ArgumentParser) -> None:
 
 
 def _metrics_address(text: str) -> str:
-    from wire.metrics_http import MetricsAddressError, parse_metrics_address
+    from wire.net.metrics_http import MetricsAddressError, parse_metrics_address
 
     try:
         parse_metrics_address(text)
@@ -142,7 +142,7 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def _launch_and_bundle(args, launch_flags: list[str], command: list[str]):
     """The trainers' launch config and this site's TLS bundle; ``UsageError`` if unusable."""
-    from site_client.launcher import LaunchError, nproc_per_node, parse_launch_args
+    from site_client.launch.launcher import LaunchError, nproc_per_node, parse_launch_args
 
     try:
         launch = parse_launch_args(launch_flags, command[0], command[1:])
@@ -159,7 +159,7 @@ def _launch_and_bundle(args, launch_flags: list[str], command: list[str]):
 
 def _check_nodes(args, launch, launch_flags: list[str]) -> None:
     """A site of several hosts: each names its node, and they share the checkpoints."""
-    from site_client.launcher import node_count
+    from site_client.launch.launcher import node_count
 
     nodes = node_count(launch)
     if nodes <= 1:
@@ -178,11 +178,11 @@ def _check_nodes(args, launch, launch_flags: list[str]) -> None:
 
 
 def _start(args, launch_flags: list[str], command: list[str]) -> int:
-    from site_client.agent import SiteAgent
-    from site_client.coordinator_client import CoordinatorClient, CoordinatorError
-    from site_client.launcher import TrainersFailed, nproc_per_node, run_trainers
+    from site_client.agent.site_agent import SiteAgent
+    from site_client.launch.launcher import TrainersFailed, nproc_per_node, run_trainers
+    from site_client.transfer.client import CoordinatorClient, CoordinatorError
     from wire.backoff import BackoffPolicy, DeadlineExceeded
-    from wire.host_tuning import log_tcp_advice
+    from wire.net.host_tuning import log_tcp_advice
 
     launch, bundle = _launch_and_bundle(args, launch_flags, command)
     cfg = _agent_config(args, launch)
@@ -238,8 +238,8 @@ def _start(args, launch_flags: list[str], command: list[str]) -> int:
 
 def _agent_config(args, launch):
     """The agent's config: this host's node of the site, its folders."""
-    from site_client.agent import AgentConfig, default_shm_dir
-    from site_client.launcher import node_count
+    from site_client.agent.site_agent import AgentConfig, default_shm_dir
+    from site_client.launch.launcher import node_count
 
     nodes = node_count(launch)
     node = launch.node_rank if nodes > 1 else 0
@@ -258,8 +258,8 @@ def _agent_config(args, launch):
 
 def _start_node(args, launch, cfg, client) -> int:
     """Node k > 0 of a multi-node site: its host's trainers and WAN transfers, no lease."""
-    from site_client.launcher import TrainersFailed, run_trainers
-    from site_client.node_agent import NodeAgent
+    from site_client.agent.node_agent import NodeAgent
+    from site_client.launch.launcher import TrainersFailed, run_trainers
 
     agent = NodeAgent(cfg, client, cfg.node)
     agent.start()
@@ -301,7 +301,7 @@ def _check_checkpoint_url(url: str, site: str) -> None:
     """``UsageError`` (one line) unless ``url`` is "" or a reachable ``s3://`` folder."""
     if not url:
         return
-    from site_client.checkpoint_url import CheckpointUrlError, open_checkpoint_url
+    from site_client.checkpoint.url import CheckpointUrlError, open_checkpoint_url
 
     try:
         open_checkpoint_url(url, site)
@@ -329,8 +329,8 @@ def _exit_drained(agent, site: str, timeout_s: float) -> int:
 
 
 def _serve_agent_metrics(agent, where: str, run_dir: Path) -> None:
-    from site_client.metrics import agent_registry
-    from wire.metrics_http import serve_metrics
+    from site_client.agent.metrics import agent_registry
+    from wire.net.metrics_http import serve_metrics
 
     _server, address = serve_metrics(agent_registry(agent), where)
     (run_dir / "metrics_address").write_text(f"{address}\n")

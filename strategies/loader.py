@@ -66,16 +66,16 @@ def _named_class(name: str) -> Any:
 def load_strategy(name: str, params: Mapping[str, Any]) -> Strategy:
     """Instantiate strategy ``name`` with hyperparameters ``params``; errors name the key."""
     if name.startswith(SERVERAPP_PREFIX):
-        from strategies.flower_serverapp import load_serverapp_strategy  # imports flwr
+        from strategies.flower.serverapp import load_serverapp_strategy  # imports flwr
 
         return load_serverapp_strategy(name, dict(params))
     if name.startswith(FLOWER_PREFIX):
-        from strategies.flower import load_flower_strategy  # imports flwr: only when named
+        from strategies.flower.strategy import load_flower_strategy  # imports flwr: only when named
 
         short = name.removeprefix(LEGACY_PREFIX).removeprefix(FLOWER_PREFIX)
         return load_flower_strategy(FLOWER_PREFIX + short, dict(params))
     if name not in BUILTINS:
-        from strategies.flower_serverapp import is_message_strategy, load_serverapp_strategy
+        from strategies.flower.serverapp import is_message_strategy, load_serverapp_strategy
 
         named = _named_class(name)
         if is_message_strategy(named):  # the user's own Flower Message-API strategy

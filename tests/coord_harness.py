@@ -1,6 +1,7 @@
 """Helpers for tests that drive a real coordinator process over real gRPC on 127.0.0.1.
 
-``CoordinatorProcess`` starts ``python -m coordinator.cli serve`` (or the ``coordinator`` console
+``CoordinatorProcess`` starts ``python -m coordinator.cli serve`` (or the ``coordinator``
+console
 script) on a job config written by ``write_config``, waits for the ``state_dir/address`` file the
 server writes once it listens, and stops or kills it. ``tiny_model`` is the model factory the
 test configs name (``coord_harness:tiny_model``): the coordinator process finds it because
@@ -24,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_process import log_tail, stop_process
 
 from wire.backoff import BackoffPolicy
-from wire.grpc_options import channel_options
+from wire.net.grpc_options import channel_options
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 
@@ -197,7 +198,14 @@ class CoordinatorProcess:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         address_file = self.state_dir / "address"
         address_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(self.config_path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "serve",
+            "--config",
+            str(self.config_path),
+        ]
         cmd += ["--tls-dir", str(self.tls_dir)] if self.tls_dir else ["--insecure"]
         if self.crl:
             cmd += ["--crl", str(self.crl)]
@@ -336,7 +344,7 @@ def drive_site(address: str, site: str, tls=None, step: float = 0.01, stop=None)
     """One site through a whole job, in this thread: each round fetch theta_r, push a small
     fixed pseudo-gradient (``step`` on every trainable tensor), then fetch the final theta
     and leave. Returns the final theta's hash. ``stop()`` true: leave before the job ends."""
-    from site_client.coordinator_client import CoordinatorClient
+    from site_client.transfer.client import CoordinatorClient
 
     client = CoordinatorClient(address, site, tls=tls, backoff=FAST_BACKOFF, rpc_timeout_s=5.0)
     try:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from coordinator.spool import UpdateSpool
-from site_client.coordinator_client import CoordinatorClient, GlobalState
+from coordinator.intake.spool import UpdateSpool
+from site_client.transfer.client import CoordinatorClient, GlobalState
 from strategies import FedAvg, RobustAggregator, Strategy
 from strategies.robust import Outcome, close_round
 from wire.backoff import BackoffPolicy

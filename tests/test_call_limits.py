@@ -17,10 +17,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from bench.fuzzing.holding import HeldCalls, probe_latencies
-from coordinator.call_gate import CallLimits, admit
-from coordinator.watchdog import CallWatchdog
-from wire.channel import open_channel
+from coordinator.service.call_gate import CallLimits, admit
+from coordinator.service.watchdog import CallWatchdog
 from wire.identity import Bundle, IdentityError, init_ca, issue, verify_leaf
+from wire.net.channel import open_channel
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 

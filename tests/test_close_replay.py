@@ -9,8 +9,8 @@ import pytest
 import torch
 from core_helpers import Clock, delta_like, new_core, push
 
-from coordinator import store as store_mod
-from coordinator.events import read_events
+from coordinator.events.log import read_events
+from coordinator.persist import local_store as store_mod
 
 SITES = ("site-a", "site-b")
 

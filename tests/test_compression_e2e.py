@@ -17,7 +17,7 @@ try:  # tests/ as a package or as a plain folder on sys.path
 except ImportError:
     import coord_harness as h
 
-from site_client.coordinator_client import CoordinatorClient
+from site_client.transfer.client import CoordinatorClient
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
 from wire.proto import isthmus_pb2 as pb

@@ -616,7 +616,7 @@ def test_upload_id_reused_for_another_payload(job, rnd):
 
 
 def test_client_status_does_not_join(job):
-    from site_client.coordinator_client import CoordinatorClient
+    from site_client.transfer.client import CoordinatorClient
 
     with CoordinatorClient(job.coord.address, "watcher", backoff=h.FAST_BACKOFF) as client:
         reply = client.status()
@@ -628,8 +628,8 @@ def test_client_status_does_not_join(job):
 def test_abandoned_uploads_of_closed_rounds_are_let_go(tmp_path):
     """In process: at round close the coordinator drops unfinished uploads of the closed
     round (their files stay open otherwise, holding the disk space of a deleted folder)."""
-    from coordinator.spool import UpdateSpool
-    from coordinator.uploads import UploadTable
+    from coordinator.intake.spool import UpdateSpool
+    from coordinator.intake.uploads import UploadTable
 
     spool = UpdateSpool(tmp_path)
     table = UploadTable(spool)

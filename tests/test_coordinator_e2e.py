@@ -22,7 +22,7 @@ try:  # tests/ as a package or as a plain folder on sys.path
 except ImportError:
     import coord_harness as h
 
-from site_client.coordinator_client import CoordinatorClient, GlobalState
+from site_client.transfer.client import CoordinatorClient, GlobalState
 from wire.proto import isthmus_pb2 as pb
 from wire.tensors import pack, state_hash
 

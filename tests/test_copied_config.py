@@ -72,8 +72,8 @@ def test_the_folder_above_the_config_that_holds_the_factory_is_named(tmp_path):
     assert f"{project} holds mypkg.model: run `coordinator serve` from {project}" in line, line
     # ... and from there it serves.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(path), "--insecure"],
-        cwd=project, env=h.subprocess_env(), stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(path),
+        "--insecure"], cwd=project, env=h.subprocess_env(), stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     address = project / "configs" / "state" / "address"
     try:

@@ -9,7 +9,7 @@ import json
 import pytest
 from core_helpers import Clock, delta_like, heartbeat_all, new_core, push
 
-from coordinator.events import read_events
+from coordinator.events.log import read_events
 from coordinator.records import Refused
 
 SITES = ("site-a", "site-b", "site-c")

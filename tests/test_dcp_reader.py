@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from site_client.dcp_reader import SafeFileSystemReader
+from site_client.checkpoint.dcp_reader import SafeFileSystemReader
 
 
 class _Boom:

@@ -220,7 +220,7 @@ def test_a_job_whose_disk_fills_mid_round_completes_once_space_returns(small_dis
 
 
 def test_events_wait_in_order_while_the_disk_is_full(small_disk):
-    from coordinator.events import EventLog, EventSink, read_events
+    from coordinator.events.log import EventLog, EventSink, read_events
 
     events = EventLog(small_disk / "events.jsonl")
     sink = EventSink(events)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.downlink import Downlink
+from coordinator.round.downlink import Downlink
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
 from wire.downlink import apply_delta, differing, encode_delta

@@ -12,8 +12,8 @@ import time
 import pytest
 from core_helpers import Clock, delta_like, heartbeat_all, new_core, push
 
-from coordinator import site_control
-from coordinator.events import read_events
+from coordinator.events.log import read_events
+from coordinator.members import site_control
 from coordinator.records import Refused
 from wire.health import Probe
 

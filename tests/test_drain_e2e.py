@@ -22,11 +22,11 @@ import pytest
 from coord_harness import run_cli, subprocess_env, wait_until
 from test_site_e2e import start_site, start_tls_coordinator, tiny_gpt_job
 
-from coordinator.events import read_events
-from coordinator.ledger import DataLedger
-from coordinator.status import status_doc
-from wire.channel import open_channel
+from coordinator.data.ledger import DataLedger
+from coordinator.events.log import read_events
+from coordinator.observe.status import status_doc
 from wire.identity import Bundle, issue
+from wire.net.channel import open_channel
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 

@@ -5,8 +5,8 @@ the final theta still goes out; undrained, nothing changes; probes go into heart
 
 from __future__ import annotations
 
-from site_client.agent_state import AgentConfig, AgentState, Offer
-from site_client.trainer_channel import TrainerChannel
+from site_client.agent.state import AgentConfig, AgentState, Offer
+from site_client.agent.trainer_channel import TrainerChannel
 from wire.proto import isthmus_pb2 as pb
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.election import (
+from coordinator.ha.election import (
     ElectionView,
     KeyHolder,
     leadership_compute,
@@ -13,11 +13,11 @@ from coordinator.election import (
     standby_message,
     transition,
 )
-from coordinator.ha_options import advertised, ha_options, parse_ha_url
+from coordinator.ha.options import advertised, ha_options, parse_ha_url
+from coordinator.intake.spool_check import Wanted
 from coordinator.records import UpdateKey
-from coordinator.spool_check import Wanted
 from wire.config_table import ConfigError
-from wire.leader import next_address, parse_addresses
+from wire.net.leader import next_address, parse_addresses
 
 OPTS = ha_options("etcd://127.0.0.1:2379", "job", "a:7070", 6)  # margin 1 s
 

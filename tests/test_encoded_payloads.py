@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from site_client.compression import compression_of, load_codec_state, save_codec_state
+from site_client.agent.compression import compression_of, load_codec_state, save_codec_state
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
 from wire.tensors import Manifest, PayloadError, pack, pack_encoded, unpack, validate_manifest

@@ -11,11 +11,11 @@ import uuid
 
 import pytest
 
-from coordinator.etcd_election import EtcdElection
-from coordinator.ha import Deposed, HaRole
-from coordinator.ha_options import ha_options
-from coordinator.storage import StorageConfig, open_store
-from coordinator.store import Checkpoint, StoreError
+from coordinator.ha.etcd_election import EtcdElection
+from coordinator.ha.options import ha_options
+from coordinator.ha.role import Deposed, HaRole
+from coordinator.persist.local_store import Checkpoint, StoreError
+from coordinator.persist.storage_config import StorageConfig, open_store
 
 TTL_S = 2
 STEADY_TTL_S = 5  # where nothing waits for a lease to lapse: a loaded machine renews in time

@@ -15,17 +15,17 @@ import pytest
 import torch
 
 from coordinator.config import ConfigError, parse_config
-from coordinator.evaluation import (
+from coordinator.events.log import read_history
+from coordinator.model_source import ModelConfig
+from coordinator.observe.evaluation import (
     EvaluationConfig,
     EvaluationError,
     checked_metrics,
     is_due,
     load_hook,
 )
-from coordinator.evaluator import MAX_PENDING, Evaluator, Reports
-from coordinator.events import read_history
-from coordinator.model_source import ModelConfig
-from coordinator.status import format_status, status_reply
+from coordinator.observe.evaluator import MAX_PENDING, Evaluator, Reports
+from coordinator.observe.status import format_status, status_reply
 from wire.proto import isthmus_pb2 as pb
 
 try:

@@ -1,4 +1,4 @@
-"""The coordinator's append-only event log (coordinator/events.py) on real files."""
+"""The coordinator's append-only event log (coordinator/events/log.py) on real files."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 from core_helpers import Clock, delta_like, heartbeat_all, new_core, push
 
-from coordinator.events import EventLog, EventLogError, read_events
+from coordinator.events.log import EventLog, EventLogError, read_events
 
 try:  # tests/ as a package or as a plain folder on sys.path
     from . import coord_harness as h
@@ -187,11 +187,11 @@ def test_failed_append_leaves_no_trace(tmp_path, monkeypatch):
             raise OSError(errno.EIO, "disk on fire")
         real_fsync(fd)
 
-    monkeypatch.setattr("coordinator.event_live.os.fsync", failing_fsync)
+    monkeypatch.setattr("coordinator.events.live.os.fsync", failing_fsync)
     with pytest.raises(OSError, match="disk on fire"):
         events.append("lost", round=1)
     assert path.stat().st_size == size and events.last_seq == 1
-    monkeypatch.setattr("coordinator.event_live.os.fsync", real_fsync)
+    monkeypatch.setattr("coordinator.events.live.os.fsync", real_fsync)
     assert events.append("b") == 2
     events.close()
     assert [e["kind"] for e in read_events(path)] == ["a", "b"]

@@ -1,4 +1,4 @@
-"""The event log in object storage (coordinator/event_remote.py) against a real SeaweedFS:
+"""The event log in object storage (coordinator/events/remote.py) against a real SeaweedFS:
 segments written once, a local log adopting the remote one (continuing it, or rebuilt where it
 diverged), a second writer refused, damaged segments named, ``coordinator history
 --storage-url`` reading it back."""
@@ -11,8 +11,9 @@ import uuid
 import pytest
 
 from coordinator.cli import main as coordinator_main
-from coordinator.event_format import EventLogError
-from coordinator.event_remote import (
+from coordinator.events.format import EventLogError
+from coordinator.events.log import EventLog
+from coordinator.events.remote import (
     EventShipper,
     RemoteEvents,
     adopt_remote,
@@ -20,7 +21,6 @@ from coordinator.event_remote import (
     segment_key,
     segment_starts,
 )
-from coordinator.events import EventLog
 
 
 @pytest.fixture

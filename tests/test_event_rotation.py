@@ -1,4 +1,4 @@
-"""The event log's rotation into gzip segments (coordinator/events.py, event_history.py) on
+"""The event log's rotation into gzip segments (coordinator/events/log.py, event_history.py) on
 real files, crashes included, and the ``[events]`` config table."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 from core_helpers import Clock, core_config, delta_like, heartbeat_all, new_core, push
 
 from coordinator.config import ConfigError
-from coordinator.event_history import list_segments, read_history, should_rotate
-from coordinator.events import EventLog, EventLogError, EventsConfig, read_events
+from coordinator.events.log import EventLog, EventLogError, EventsConfig, read_events
+from coordinator.events.segments import list_segments, read_history, should_rotate
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = EventsConfig(rotate_bytes=1000, keep_segments=10)
@@ -146,7 +146,7 @@ CRASH = textwrap.dedent(
     """
     import os, sys
     from pathlib import Path
-    from coordinator.events import EventLog, EventsConfig
+    from coordinator.events.log import EventLog, EventsConfig
 
     renames, when = int(sys.argv[2]), sys.argv[3]
     events = EventLog(Path(sys.argv[1]), EventsConfig(rotate_bytes=1000))

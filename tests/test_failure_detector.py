@@ -1,4 +1,4 @@
-"""The phi-accrual failure detector (coordinator/failure_detector.py) on a fake clock."""
+"""The phi-accrual failure detector (coordinator/members/failure_detector.py) on a fake clock."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from coordinator.failure_detector import (
+from coordinator.members.failure_detector import (
     MAX_PHI,
     DetectorOptions,
     PhiAccrualDetector,

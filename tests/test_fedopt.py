@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from coordinator.spool import UpdateSpool
+from coordinator.intake.spool import UpdateSpool
 from strategies import Aggregate, FedAdagrad, FedAdam, FedAvgM, FedYogi, StrategyError
 from strategies import load_strategy as load
 from strategies.base import apply_in_float32

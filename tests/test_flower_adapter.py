@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from coordinator.spool import UpdateSpool
+from coordinator.intake.spool import UpdateSpool
 from strategies import RobustAggregator, StrategyError, load_strategy
 from strategies.robust import close_round
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from coordinator.spool import UpdateSpool
+from coordinator.intake.spool import UpdateSpool
 from strategies import RobustAggregator, StrategyError, load_strategy
 from strategies.robust import close_round
 
@@ -405,7 +405,7 @@ def test_what_cannot_map_is_refused_at_start_saying_why(name, params, message):
 
 
 def test_node_ids_follow_the_site_across_rounds_and_units():
-    from strategies.flower_messages import node_ids
+    from strategies.flower.messages import node_ids
 
     a = node_ids([("site-a", "site-a"), ("site-b", "site-b")])
     b = node_ids([("site-a@u3", "site-a"), ("site-a@u7", "site-a"), ("site-c@u1", "site-c")])
@@ -415,7 +415,7 @@ def test_node_ids_follow_the_site_across_rounds_and_units():
 def test_missing_flwr_is_a_clear_error(monkeypatch):
     import sys
 
-    from strategies.flower_messages import import_serverapp
+    from strategies.flower.messages import import_serverapp
 
     monkeypatch.setitem(sys.modules, "flwr.serverapp.strategy", None)
     import_serverapp.cache_clear()
@@ -427,8 +427,8 @@ def test_missing_flwr_is_a_clear_error(monkeypatch):
 
 
 def test_legacy_spellings_stay_the_legacy_adapter():
-    from strategies.flower import FlowerStrategy
-    from strategies.flower_serverapp import FlowerMessageStrategy
+    from strategies.flower.serverapp import FlowerMessageStrategy
+    from strategies.flower.strategy import FlowerStrategy
 
     assert isinstance(load_strategy("flower:FedAvg", {}), FlowerStrategy)
     assert isinstance(load_strategy("flower:server.FedAvg", {}), FlowerStrategy)

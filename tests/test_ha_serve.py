@@ -22,16 +22,16 @@ try:  # tests/ as a package or as a plain folder on sys.path
 except ImportError:
     import coord_harness as h
 
-from coordinator.event_history import read_events
-from coordinator.event_remote import RemoteEvents, read_remote
-from coordinator.ha_cli import call_leader
-from coordinator.storage import StorageConfig, open_store, parse_url
-from site_client.coordinator_client import CoordinatorClient
+from coordinator.cli.ha import call_leader
+from coordinator.events.remote import RemoteEvents, read_remote
+from coordinator.events.segments import read_events
+from coordinator.persist.storage_config import StorageConfig, open_store, parse_url
+from site_client.transfer.client import CoordinatorClient
 from wire.backoff import BackoffPolicy
-from wire.channel import open_channel
 from wire.config_table import ConfigError
 from wire.identity import Bundle, init_ca, issue
-from wire.leader import LEADER_KEY
+from wire.net.channel import open_channel
+from wire.net.leader import LEADER_KEY
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.tensors import state_hash
@@ -198,7 +198,7 @@ def test_bad_ha_flags_are_refused_in_one_line(flags, message, tmp_path, capsys):
 
 
 def test_a_name_the_coordinators_certificate_lacks_is_refused(tmp_path):
-    from coordinator.ha_cli import check_advertised_name
+    from coordinator.cli.ha import check_advertised_name
 
     cert = Bundle.load(pki(tmp_path)["coordinator"]).cert
     check_advertised_name("127.0.0.1:7070", cert)  # a name it holds

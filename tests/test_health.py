@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from site_client.faults import fault_at, parse_faults
-from site_client.health_probe import (
+from site_client.trainer.faults import fault_at, parse_faults
+from site_client.trainer.health_probe import (
     SiteProber,
     ecc_errors,
     gpu_errors,

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from coordinator import heap
+from coordinator.service import heap
 
 
 def rss_anon_bytes() -> int:

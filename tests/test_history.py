@@ -15,7 +15,7 @@ except ImportError:
 
 import test_coordinator_e2e as e2e
 
-from coordinator.history import rounds_of
+from coordinator.events.history import rounds_of
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +67,7 @@ def test_history_has_a_row_per_round_in_every_form(finished, tmp_path):
         assert r["update_bytes"] > 0 and r["seconds"] > 0
         assert {"aggregate", "outer_step"} <= set(r["phases"])
     # The JSON says what the log says.
-    from coordinator.event_history import read_events
+    from coordinator.events.segments import read_events
 
     direct = [x.as_json() for x in rounds_of(read_events(state / "events.jsonl"))]
     assert json.loads(json.dumps(direct)) == rounds

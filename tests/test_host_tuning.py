@@ -1,4 +1,4 @@
-"""The host's TCP settings read and turned into advice (``wire.host_tuning``)."""
+"""The host's TCP settings read and turned into advice (``wire.net.host_tuning``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from wire.host_tuning import (
+from wire.net.host_tuning import (
     TcpHost,
     log_tcp_advice,
     one_stream_mbit,
@@ -86,7 +86,7 @@ def test_nothing_is_logged_for_a_job_on_one_machine(caplog):
 
 
 def test_advice_is_logged_at_its_level(caplog, monkeypatch):
-    import wire.host_tuning as host_tuning
+    import wire.net.host_tuning as host_tuning
 
     host = TcpHost(slow_start_after_idle=1, send_buffer_max=4 << 20, congestion="cubic")
     monkeypatch.setattr(host_tuning, "read_tcp_host", lambda: host)

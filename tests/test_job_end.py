@@ -18,9 +18,9 @@ except ImportError:
     import coord_harness as h
     from test_coordinator_cli import one_line_error
 
-from coordinator.export import load_model, read_card
-from coordinator.job_end import already_complete, signal_exit_code, stopped_message
-from coordinator.store import CheckpointStore
+from coordinator.persist.export import load_model, read_card
+from coordinator.persist.local_store import CheckpointStore
+from coordinator.service.job_end import already_complete, signal_exit_code, stopped_message
 
 pytestmark = pytest.mark.e2e
 ROUNDS = 2
@@ -125,7 +125,7 @@ def test_a_signal_stops_a_running_job_non_zero_saying_how_to_resume(tmp_path, si
 
 
 def test_completion_and_exit_rules():
-    from coordinator.job_end import Completion
+    from coordinator.service.job_end import Completion
 
     done = Completion("j", 5, "final/model.safetensors", "ab" * 32)
     assert already_complete(done, "j", 5)
@@ -140,7 +140,7 @@ def test_completion_and_exit_rules():
 def test_a_call_in_flight_after_leave_does_not_join_again(tmp_path):
     """A heartbeat sent while the agent leaves comes back refused ("holds no lease"): it must
     not re-join, or the coordinator waits for a site that is gone."""
-    from site_client.coordinator_client import CoordinatorClient, CoordinatorError
+    from site_client.transfer.client import CoordinatorClient, CoordinatorError
 
     coord = h.start_coordinator(tmp_path, h.job_config(name="leaving"))
     client = CoordinatorClient(coord.address, "s0", backoff=h.FAST_BACKOFF)

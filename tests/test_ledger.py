@@ -1,4 +1,4 @@
-"""The data ledger (coordinator/ledger.py): every data unit is committed exactly once."""
+"""The data ledger (coordinator/data/ledger.py): every data unit is committed exactly once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.ledger import DataLedger, LedgerError, unit_id, unit_index
+from coordinator.data.ledger import DataLedger, LedgerError, unit_id, unit_index
 
 
 def _round_trip(led: DataLedger) -> DataLedger:

@@ -20,9 +20,9 @@ except ImportError:
     import coord_harness as h
     from test_coordinator_cli import one_line_error
 
-from coordinator.export import load_model, read_card
-from coordinator.local_job import LocalPlan, site_names
-from coordinator.local_report import by_round, summary_table
+from coordinator.cli.local_job import LocalPlan, site_names
+from coordinator.cli.local_report import by_round, summary_table
+from coordinator.persist.export import load_model, read_card
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = h.REPO / "examples" / "gpt_diloco"

@@ -12,7 +12,7 @@ except ImportError:
 
 import test_coordinator_e2e as e2e
 
-from wire.metrics_http import MetricsAddressError, parse_metrics_address
+from wire.net.metrics_http import MetricsAddressError, parse_metrics_address
 
 pytestmark = pytest.mark.e2e
 

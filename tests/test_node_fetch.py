@@ -1,6 +1,6 @@
 """A node of a multi-node site fetches only the bytes of theta its trainers hold
-(``site_client.node_fetch``): against a real coordinator over mutual TLS, the boxes land bit
-for bit as a whole fetch has them, in whole blocks each checked against its digest, and a box
+(``site_client.transfer.node_fetch``): against a real coordinator over mutual TLS, the boxes land
+bit for bit as a whole fetch has them, in whole blocks each checked against its digest, and a box
 that is not theta's is refused before anything is fetched."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from test_parallel_push import client, coord, pki
 
 from site_client.errors import CoordinatorError
-from site_client.node_fetch import Box, byte_span, fetch_boxes, ranges_for, split_ranges
+from site_client.transfer.node_fetch import Box, byte_span, fetch_boxes, ranges_for, split_ranges
 from wire.safetensors_io import map_tensors
 from wire.tensors import Manifest, PayloadError, TensorEntry
 from wire.transfer import Piece
@@ -95,9 +95,9 @@ def test_a_theta_other_than_node_0s_is_refused(coord, pki, tmp_path):
 def test_a_file_fetched_for_some_boxes_is_never_handed_out_for_others(coord, pki, tmp_path):
     """After a restart the rendezvous may place other ranks on this host: the agent fetches
     their boxes into a file of their own, and theta whole when asked for it."""
-    from site_client.agent_state import AgentConfig
-    from site_client.node_agent import NodeAgent
-    from site_client.node_encoding import lease_json
+    from site_client.agent.node_agent import NodeAgent
+    from site_client.agent.node_encoding import lease_json
+    from site_client.agent.state import AgentConfig
 
     c = client(coord.address, pki, 1)
     whole = c.fetch()

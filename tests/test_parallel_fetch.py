@@ -15,13 +15,13 @@ import torch
 from coord_harness import FAST_BACKOFF, CoordinatorProcess, job_config, wait_until, write_config
 
 from bench.relay import Relay
-from coordinator.call_gate import CallLimits
-from site_client.coordinator_client import CoordinatorClient, CoordinatorError
-from site_client.fetch_endgame import Endgame
-from site_client.transfer_progress import TransferProgress
+from coordinator.service.call_gate import CallLimits
+from site_client.transfer.client import CoordinatorClient, CoordinatorError
+from site_client.transfer.fetch_endgame import Endgame
+from site_client.transfer.progress import TransferProgress
 from wire import bulk
-from wire.channel import open_channel
 from wire.identity import Bundle, init_ca, issue
+from wire.net.channel import open_channel
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.tensors import pack, state_hash
@@ -217,7 +217,7 @@ def test_bad_ranges_are_refused_and_change_nothing(coord, pki, site, tmp_path):
 
 def test_a_site_is_sent_k_streams_at_once_and_refused_more(coord, pki, site):
     # Each certificate may hold 2 K fetch calls (K streams and their retries), and be sent
-    # at most K of them at once: its share of the send slots (coordinator.send_slots).
+    # at most K of them at once: its share of the send slots (coordinator.service.send_slots).
     limit = CallLimits.for_transfer(TransferConfig(streams=K)).fetch
     assert limit == 2 * K and CallLimits.for_transfer(TransferConfig()).fetch == 2
     stub = bulk.BulkStub(open_channel(coord.address, Bundle.load(pki / "site-a"), True))
@@ -404,7 +404,7 @@ def test_a_broken_piece_resumes_at_its_next_byte_and_a_replaced_version_starts_o
 def test_a_stalled_piece_is_fetched_again_by_an_idle_stream_and_the_stall_cancelled():
     # One stream is sent its piece's header and nothing more (a connection that lost its
     # window): once the other stream has every other piece, it fetches that piece too, and
-    # the stalled call is cancelled (site_client.fetch_endgame).
+    # the stalled call is cancelled (site_client.transfer.fetch_endgame).
     fake = ScriptedCoordinator(lambda s, r: s.header(), stall_at=0)
     try:
         c = fake.site()

@@ -22,11 +22,11 @@ from coord_harness import (
 )
 
 from bench.relay import Relay
-from site_client.coordinator_client import CoordinatorClient
-from site_client.update_payload import payload_of
+from site_client.agent.update_payload import payload_of
+from site_client.transfer.client import CoordinatorClient
 from wire import bulk
-from wire.channel import open_channel
 from wire.identity import Bundle, init_ca, issue
+from wire.net.channel import open_channel
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.tensors import pack

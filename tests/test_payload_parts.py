@@ -20,8 +20,8 @@ from test_parallel_push import (
     status,
 )
 
-from site_client.node_parts import NodePart, site_layout
-from site_client.update_payload import payload_of
+from site_client.agent.node_parts import NodePart, site_layout
+from site_client.agent.update_payload import payload_of
 from wire.payload_parts import PayloadPart, parts_digest
 from wire.tensors import ALIGN, Manifest, PayloadError, TensorEntry, validate_manifest
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from coordinator.config import load_config
-from coordinator.spool import UpdateSpool
+from coordinator.intake.spool import UpdateSpool
 from strategies import Aggregate, Strategy, StrategyError, load_strategy
 from strategies.base import call_hook, check_outer_result, check_state, checked_weight
 from wire.backoff import BackoffPolicy

@@ -18,7 +18,7 @@ try:  # tests/ as a package or as a plain folder on sys.path
 except ImportError:
     import coord_harness as h
 
-from coordinator.store import CheckpointStore
+from coordinator.persist.local_store import CheckpointStore
 
 # Slow (about 30 s): `coordinator local` end to end is in test_local.py already.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -10,14 +10,14 @@ import time
 import pytest
 from coord_harness import FAST_BACKOFF, job_config, scrape_metrics, start_with_metrics
 
-from coordinator.receive_slots import (
+from coordinator.intake.receive_slots import (
     AUTO_MIN,
     GRANT_TTL_S,
     ReceiveSlots,
     slots_to_grant,
     upload_slots,
 )
-from site_client.coordinator_client import CoordinatorClient
+from site_client.transfer.client import CoordinatorClient
 
 
 def test_slots_go_to_the_first_in_fold_order_as_far_as_they_go():

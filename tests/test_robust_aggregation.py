@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from coordinator.config import ConfigError, parse_config
-from coordinator.spool import UpdateSpool
-from coordinator.status import format_status
+from coordinator.intake.spool import UpdateSpool
+from coordinator.observe.status import format_status
 from strategies import AggregationError, FedAvg, RobustAggregator, load_strategy
 from strategies.robust import close_round
 from wire.proto import isthmus_pb2 as pb

@@ -1,11 +1,12 @@
-"""Round decisions (coordinator/rounds.py) and leases (coordinator/leases.py) on a fake clock."""
+"""Round decisions (coordinator/round/rules.py) and leases (coordinator/members/leases.py) on a fake
+clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.leases import LeaseError, LeaseTable
-from coordinator.rounds import (
+from coordinator.members.leases import LeaseError, LeaseTable
+from coordinator.round.rules import (
     RoundOptions,
     RoundState,
     UpdateRefused,

@@ -18,8 +18,8 @@ try:  # tests/ as a package or as a plain folder on sys.path
 except ImportError:
     import coord_harness as h
 
-from coordinator.storage import StorageConfig, open_store
-from site_client.coordinator_client import CoordinatorClient
+from coordinator.persist.storage_config import StorageConfig, open_store
+from site_client.transfer.client import CoordinatorClient
 from wire.tensors import state_hash
 
 pytestmark = pytest.mark.e2e

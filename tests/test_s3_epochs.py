@@ -1,4 +1,4 @@
-"""The starts record in object storage (coordinator/s3_epochs.py): a stale candidate may not
+"""The starts record in object storage (coordinator/persist/s3_epochs.py): a stale candidate may not
 count a start, epochs stay small whatever etcd's revision, and a deposed leader's manifest
 that lands after a newer start took over is no commit. Pure rules, then a real SeaweedFS."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator import s3_epochs as epochs
-from coordinator import s3_layout as layout
-from coordinator.leases import EPOCH_SHIFT
-from coordinator.s3_objects import put_if
-from coordinator.storage import StorageConfig, open_store
-from coordinator.store import Checkpoint, StoreError
+from coordinator.members.leases import EPOCH_SHIFT
+from coordinator.persist import s3_epochs as epochs
+from coordinator.persist import s3_layout as layout
+from coordinator.persist.local_store import Checkpoint, StoreError
+from coordinator.persist.storage_config import StorageConfig, open_store
+from wire.objstore.objects import put_if
 from wire.proto import isthmus_pb2 as pb
 
 

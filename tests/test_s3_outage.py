@@ -1,4 +1,4 @@
-"""An object store that does not answer for a while (coordinator/s3_store.py, disk.py): the
+"""An object store that does not answer for a while (coordinator/persist/s3_store.py, disk.py): the
 checkpoint is retried rather than the job stopped, nothing is reported written before it is
 committed, and a commit whose reply was lost is recognised as this coordinator's own."""
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 from botocore.exceptions import ConnectionClosedError, EndpointConnectionError
 
-from coordinator import s3_layout as layout
-from coordinator.checkpointing import CheckpointWriter
-from coordinator.event_remote import RemoteEvents
-from coordinator.storage import StorageConfig, open_store
-from coordinator.store import Checkpoint, StoreError, StoreUnavailable
+from coordinator.events.remote import RemoteEvents
+from coordinator.persist import s3_layout as layout
+from coordinator.persist.checkpointing import CheckpointWriter
+from coordinator.persist.local_store import Checkpoint, StoreError, StoreUnavailable
+from coordinator.persist.storage_config import StorageConfig, open_store
 
 
 def _store(aws):

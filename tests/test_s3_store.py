@@ -1,4 +1,4 @@
-"""Coordinator checkpoints in object storage (coordinator/s3_store.py), against a real
+"""Coordinator checkpoints in object storage (coordinator/persist/s3_store.py), against a real
 SeaweedFS S3 server (the session's ``seaweed`` fixture), and the pure layout rules."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 import torch
 from seaweed import AWS_VARS
 
-from coordinator import s3_layout as layout
 from coordinator.config import parse_config
-from coordinator.s3_objects import Blob
-from coordinator.s3_store import S3CheckpointStore
-from coordinator.storage import StorageConfig, check_storage, open_store, parse_url
-from coordinator.store import Checkpoint, CheckpointStore, StoreError
+from coordinator.persist import s3_layout as layout
+from coordinator.persist.local_store import Checkpoint, CheckpointStore, StoreError
+from coordinator.persist.s3_store import S3CheckpointStore
+from coordinator.persist.storage_config import StorageConfig, check_storage, open_store, parse_url
 from wire.config_table import ConfigError
+from wire.objstore.objects import Blob
 
 
 def _theta(seed: int, n: int = 17) -> dict[str, torch.Tensor]:

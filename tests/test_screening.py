@@ -1,11 +1,11 @@
 """NaN/Inf caught as an update's chunks arrive, or at the end where it cannot be
-(coordinator/screening.py)."""
+(coordinator/intake/screening.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from coordinator.screening import ArrivalScreen
+from coordinator.intake.screening import ArrivalScreen
 from wire.tensors import pack
 
 

@@ -8,8 +8,8 @@ import time
 import pytest
 from coord_harness import FAST_BACKOFF, job_config, scrape_metrics, start_with_metrics, wait_until
 
-from coordinator.send_slots import SendSlots, SlotsBusy, may_send, share_of
-from site_client.coordinator_client import CoordinatorClient
+from coordinator.service.send_slots import SendSlots, SlotsBusy, may_send, share_of
+from site_client.transfer.client import CoordinatorClient
 from wire.proto import isthmus_pb2 as pb
 
 

@@ -1,4 +1,5 @@
-"""Per-shard hand-off (site_client/shards.py, site_client/update_payload.py) in real gloo ranks:
+"""Per-shard hand-off (site_client/trainer/shards.py, site_client/agent/update_payload.py) in real
+gloo ranks:
 no rank materialises the whole model, for FSDP2 and for FSDP2 with tensor parallelism on a
 2-D mesh, and what the ranks hand over is exactly theta_r - theta_local."""
 
@@ -14,10 +15,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from coordinator.accumulate import fold_into
-from coordinator.spool import UpdateSpool
-from coordinator.uploads import check_update_manifest
-from site_client.update_payload import build_payload
+from coordinator.intake.spool import UpdateSpool
+from coordinator.intake.uploads import check_update_manifest
+from coordinator.round.accumulate import fold_into
+from site_client.agent.update_payload import build_payload
 from wire.codecs import CodecState
 from wire.safetensors_io import write_tensors
 from wire.tensors import state_hash
@@ -82,7 +83,7 @@ def _worker(rank: int, world: int, port: int, folder: str, tp: bool) -> None:
         parallelize_module,
     )
 
-    from site_client.shards import load_pieces, local_pieces, write_update
+    from site_client.trainer.shards import load_pieces, local_pieces, write_update
     from wire.safetensors_io import map_tensors
 
     dist.init_process_group("gloo", rank=rank, world_size=world)

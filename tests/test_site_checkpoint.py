@@ -18,8 +18,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from examples.gpt_diloco.model import build_model, lm_loss
-from site_client import checkpoint as ckpt
-from site_client.checkpoint import (
+from site_client.checkpoint import local as ckpt
+from site_client.checkpoint.local import (
     MANIFEST,
     SiteCheckpointConfig,
     SiteCheckpointError,
@@ -49,7 +49,7 @@ _WORKER = textwrap.dedent(
     from torch.distributed.fsdp import fully_shard
     from examples.gpt_diloco.data import load_corpus
     from examples.gpt_diloco.model import build_model, lm_loss, transformer_blocks
-    from site_client.checkpoint import load_site_checkpoint, save_site_checkpoint
+    from site_client.checkpoint.local import load_site_checkpoint, save_site_checkpoint
 
     mode, path, out = sys.argv[1:4]
     dist.init_process_group("gloo")

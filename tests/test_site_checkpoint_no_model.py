@@ -12,7 +12,7 @@ import torch
 from test_site_checkpoint import TINY, _snapshot, _trained_plain
 
 from examples.gpt_diloco.model import lm_loss
-from site_client.checkpoint import (
+from site_client.checkpoint.local import (
     MANIFEST,
     AsyncCheckpointer,
     SiteCheckpointError,
@@ -22,8 +22,8 @@ from site_client.checkpoint import (
     stage_state,
     write_staged,
 )
-from site_client.checkpoint_place import CheckpointPlace, load_newest
-from site_client.trainer_round import Round, RoundHooks, RoundSpec
+from site_client.checkpoint.place import CheckpointPlace, load_newest
+from site_client.trainer.round import Round, RoundHooks, RoundSpec
 
 
 def _save_without_model(path: Path, model, opt, extra=None) -> Path:

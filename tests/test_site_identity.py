@@ -23,7 +23,7 @@ TRAINER = """
 import json, sys
 import torch
 from coord_harness import tiny_model
-from site_client.trainer import SiteSession
+from site_client.trainer.session import SiteSession
 
 torch.set_num_threads(1)
 session = SiteSession()

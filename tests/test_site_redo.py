@@ -23,10 +23,10 @@ import pytest
 from test_site_units_trainers import TRAINER as UNITS_TRAINER
 from test_site_units_trainers import launch, records, theta
 
-from site_client.agent import AgentConfig, SiteAgent
-from site_client.checkpoint import MANIFEST
-from site_client.coordinator_client import GlobalState
+from site_client.agent.site_agent import AgentConfig, SiteAgent
+from site_client.checkpoint.local import MANIFEST
 from site_client.errors import CoordinatorError
+from site_client.transfer.client import GlobalState
 from wire.proto import isthmus_pb2 as pb
 from wire.safetensors_io import map_tensors, write_tensors
 from wire.tensors import state_hash

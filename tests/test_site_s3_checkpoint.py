@@ -1,4 +1,4 @@
-"""Site checkpoints in object storage (site_client/s3_checkpoint.py, dcp_s3.py), against a real
+"""Site checkpoints in object storage (site_client/checkpoint/s3.py, dcp_s3.py), against a real
 SeaweedFS S3 server (the session's ``seaweed`` fixture), and the pure layout rules."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from site_client import s3_site_layout as layout
-from site_client.checkpoint import AsyncCheckpointer, natural_key, stage_state
-from site_client.checkpoint_place import CheckpointPlace, load_newest
-from site_client.ckpt_collectives import SiteCheckpointError
-from site_client.s3_checkpoint import open_site_checkpoints
+from site_client.checkpoint import s3_layout as layout
+from site_client.checkpoint.collectives import SiteCheckpointError
+from site_client.checkpoint.local import AsyncCheckpointer, natural_key, stage_state
+from site_client.checkpoint.place import CheckpointPlace, load_newest
+from site_client.checkpoint.s3 import open_site_checkpoints
 
 
 @pytest.fixture

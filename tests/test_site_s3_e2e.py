@@ -15,7 +15,7 @@ import pytest
 from coord_harness import subprocess_env
 from test_site_e2e import ROUNDS, final_theta_hash, start_site, start_tls_coordinator, tiny_gpt_job
 
-from site_client import s3_site_layout as layout
+from site_client.checkpoint import s3_layout as layout
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from site_client.agent import AgentConfig, SiteAgent
-from site_client.scratch import (
+from site_client.agent.scratch import (
     OWNER_FILE,
     Probe,
     claim,
@@ -25,6 +24,7 @@ from site_client.scratch import (
     process_start,
     reclaim_abandoned,
 )
+from site_client.agent.site_agent import AgentConfig, SiteAgent
 
 REPO = Path(__file__).resolve().parent.parent
 SITE = "s1"
@@ -33,8 +33,8 @@ SITE = "s1"
 AGENT = """
 import sys, time
 from pathlib import Path
-from site_client.agent import AgentConfig, SiteAgent
-from site_client.scratch import default_shm_dir
+from site_client.agent.site_agent import AgentConfig, SiteAgent
+from site_client.agent.scratch import default_shm_dir
 base, site, run = sys.argv[1:4]
 agent = SiteAgent(AgentConfig(site, Path(run), default_shm_dir(site, Path(base))), None)
 (agent.cfg.shm_dir / "theta-v3.safetensors").write_bytes(b"\\1" * (1 << 20))

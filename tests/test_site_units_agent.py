@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from site_client.agent import AgentConfig, SiteAgent
-from site_client.coordinator_client import CoordinatorError, GlobalState, PushAborted
-from site_client.tasks import TaskBook, unit_index, unit_name
+from site_client.agent.site_agent import AgentConfig, SiteAgent
+from site_client.agent.tasks import TaskBook, unit_index, unit_name
+from site_client.transfer.client import CoordinatorError, GlobalState, PushAborted
 from wire.proto import isthmus_pb2 as pb
 from wire.safetensors_io import map_tensors, write_tensors
 from wire.tensors import state_hash

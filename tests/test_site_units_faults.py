@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from site_client.faults import Fault, fault_at, inject, parse_faults
+from site_client.trainer.faults import Fault, fault_at, inject, parse_faults
 
 
 def test_kill_and_stall_specs_parse_with_their_defaults() -> None:

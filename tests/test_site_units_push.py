@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from site_client.coordinator_client import CoordinatorClient, CoordinatorError, PushAborted
+from site_client.transfer.client import CoordinatorClient, CoordinatorError, PushAborted
 from wire.bulk import parse_chunk
 from wire.proto import isthmus_pb2 as pb
 
@@ -133,8 +133,8 @@ def test_abort_ends_the_stream_early_and_raises(client) -> None:
 def test_an_update_refused_as_early_waits_until_its_round_is_open_to_the_site():
     """A new leader replaying the round before numbers the next one before it opens it: an
     update refused then waits for the round to open instead of being dropped."""
-    from site_client.tasks import Task, Upload
-    from site_client.wan import _may_push
+    from site_client.agent.tasks import Task, Upload
+    from site_client.agent.wan import _may_push
     from wire.proto import isthmus_pb2 as pb
 
     upload = Upload(Task(2, ""), [], 1.0, 2)

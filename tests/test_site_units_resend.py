@@ -8,8 +8,8 @@ import grpc
 import pytest
 from test_site_units_agent import FakeClient, beat, residuals, submit, train_and_push, wait
 
-from site_client.agent import AgentConfig, SiteAgent
-from site_client.coordinator_client import CoordinatorError
+from site_client.agent.site_agent import AgentConfig, SiteAgent
+from site_client.transfer.client import CoordinatorError
 from wire.proto import isthmus_pb2 as pb
 
 

@@ -19,8 +19,8 @@ import pytest
 from coord_harness import subprocess_env
 from test_site_e2e import ROUNDS, final_theta_hash, start_site, start_tls_coordinator, tiny_gpt_job
 
-from coordinator.events import read_events
-from coordinator.ledger import DataLedger
+from coordinator.data.ledger import DataLedger
+from coordinator.events.log import read_events
 
 pytestmark = pytest.mark.e2e
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 from coord_harness import REPO
 
-from site_client.agent import AgentConfig, SiteAgent
-from site_client.checkpoint import MANIFEST
-from site_client.coordinator_client import GlobalState
+from site_client.agent.site_agent import AgentConfig, SiteAgent
+from site_client.checkpoint.local import MANIFEST
+from site_client.transfer.client import GlobalState
 from wire.proto import isthmus_pb2 as pb
 from wire.safetensors_io import map_tensors, write_tensors
 from wire.tensors import state_hash
@@ -38,7 +38,7 @@ import json, os, sys
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from site_client.trainer import SiteSession
+from site_client.trainer.session import SiteSession
 
 torch.set_num_threads(1)
 session = SiteSession(backend="gloo", checkpoint_every=2)

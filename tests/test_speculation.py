@@ -1,10 +1,10 @@
-"""Backup planning for straggling data units (coordinator/speculation.py) on a fake clock."""
+"""Backup planning for straggling data units (coordinator/data/speculation.py) on a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.speculation import Backup, SpeculationOptions, plan_backups
+from coordinator.data.speculation import Backup, SpeculationOptions, plan_backups
 
 OPTS = SpeculationOptions()  # slow x2, min wait 10 s, behind 0.5, one backup per unit
 

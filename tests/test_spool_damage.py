@@ -11,8 +11,8 @@ import pytest
 import torch
 from core_helpers import Clock, delta_like, heartbeat_all, new_core, push
 
-from coordinator import store as store_mod
-from coordinator.events import read_events
+from coordinator.events.log import read_events
+from coordinator.persist import local_store as store_mod
 from coordinator.records import Refused
 
 SITES = ("site-a", "site-b")

@@ -15,19 +15,19 @@ try:
 except ImportError:
     import coord_harness as h
 
-from coordinator.auth import Authorizer, RevocationList
-from coordinator.event_history import read_events
-from coordinator.events import EventLog, EventsConfig
-from coordinator.history import rounds_of
-from coordinator.page_access import (
+from coordinator.events.history import rounds_of
+from coordinator.events.log import EventLog, EventsConfig
+from coordinator.events.segments import read_events
+from coordinator.observe.page_access import (
     PageAccess,
     PageAccessError,
     host_header_ok,
     page_access,
     server_context,
 )
-from coordinator.page_history import LogFollower, history_doc
-from coordinator.status_page import PageSources, StatusPageServer, content_policy, respond
+from coordinator.observe.page_history import LogFollower, history_doc
+from coordinator.observe.status_page import PageSources, StatusPageServer, content_policy, respond
+from coordinator.service.auth import Authorizer, RevocationList
 from wire.identity import Bundle, init_ca, issue, revoke
 
 SOURCES = PageSources(lambda: {"job_name": "j", "loss": float("nan")}, lambda: {"rounds": []})

@@ -38,7 +38,7 @@ def chromium() -> str | None:
 def site(address: str, k: int, hurry: threading.Event, errors: list) -> None:
     """A lightweight site: each round fetch theta, report a falling loss, wait ``PACE_S``
     (unless hurried), push a small update; then the final fetch and leave."""
-    from site_client.coordinator_client import CoordinatorClient
+    from site_client.transfer.client import CoordinatorClient
 
     client = CoordinatorClient(address, SITES[k], backoff=h.FAST_BACKOFF, rpc_timeout_s=5.0)
     try:

@@ -1,4 +1,4 @@
-"""Durable checkpoints (coordinator/store.py)."""
+"""Durable checkpoints (coordinator/persist/local_store.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator import store as store_mod
-from coordinator.store import Checkpoint, CheckpointStore, StoreError, write_atomic
+from coordinator.persist import local_store as store_mod
+from coordinator.persist.local_store import Checkpoint, CheckpointStore, StoreError, write_atomic
 
 
 def _theta(seed: int) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.spool import SpooledUpdate, UpdateSpool
+from coordinator.intake.spool import SpooledUpdate, UpdateSpool
 from strategies import Aggregate, DiLoCo, FedAvg, Strategy, StrategyError, load_strategy
 from strategies.diloco import DiLoCoConfig
 from strategies.robust import weighted_mean_of

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import grpc
 
-from site_client.coordinator_client import CoordinatorClient
+from site_client.transfer.client import CoordinatorClient
 
 A, B = "127.0.0.1:1", "127.0.0.1:2"
 

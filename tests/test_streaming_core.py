@@ -115,7 +115,7 @@ def test_one_fragment_is_plain_training_bit_for_bit(tmp_path, strategy):
 
 
 def test_status_shows_the_fragment(tmp_path):
-    from coordinator.status import format_status, status_reply
+    from coordinator.observe.status import format_status, status_reply
 
     core, tokens = _core(tmp_path, {"fragments": 2}, rounds={"max_sites": 2})
     try:
@@ -137,8 +137,8 @@ def test_status_shows_the_fragment(tmp_path):
 
 def test_status_and_metrics_show_how_long_each_site_waited_at_merges(tmp_path):
     """The agents add up their trainers' merge waits into the heartbeat's progress."""
-    from coordinator.metrics import SnapshotCollector
-    from coordinator.status import format_status, status_reply
+    from coordinator.observe.metrics import SnapshotCollector
+    from coordinator.observe.status import format_status, status_reply
 
     core, tokens = _core(tmp_path, {"fragments": 2}, rounds={"max_sites": 2})
     try:

@@ -17,7 +17,7 @@ try:  # tests/ as a package or as a plain folder on sys.path
 except ImportError:
     import coord_harness as h
 
-from site_client.coordinator_client import CoordinatorClient, GlobalState
+from site_client.transfer.client import CoordinatorClient, GlobalState
 from strategies import Aggregate
 from strategies.diloco import DiLoCo, DiLoCoConfig
 from wire.downlink import differing

@@ -18,7 +18,7 @@ except ImportError:
     import coord_harness as h
     from test_local import SMALL, TRAIN_ARGS, run
 
-from coordinator.export import read_card
+from coordinator.persist.export import read_card
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # 21 s: two real FSDP2 sites
 EXAMPLE = h.REPO / "examples" / "gpt_diloco"

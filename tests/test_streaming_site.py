@@ -1,7 +1,7 @@
 """The site's side of streaming outer steps, without processes: the late merge of a fragment
-into the model (``site_client.shards.merge_pieces``), the fragment-only hand-off, and where a
-(re)started task begins (``site_client.streaming.StreamingRounds._start``), and no periodic
-checkpoint while a merge is pending."""
+into the model (``site_client.trainer.shards.merge_pieces``), the fragment-only hand-off, and where
+a (re)started task begins (``site_client.trainer.streaming_rounds.StreamingRounds._start``), and no
+periodic checkpoint while a merge is pending."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from site_client.shards import Piece, merge_pieces, write_update
-from site_client.streaming import StreamingRounds, _unless_merge_pending
-from site_client.trainer_round import Round, RoundHooks, RoundSpec
+from site_client.trainer.round import Round, RoundHooks, RoundSpec
+from site_client.trainer.shards import Piece, merge_pieces, write_update
+from site_client.trainer.streaming_rounds import StreamingRounds, _unless_merge_pending
 from wire.fragments import StreamingConfig
 from wire.safetensors_io import map_tensors, write_tensors
 

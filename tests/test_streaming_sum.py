@@ -1,4 +1,5 @@
-"""The running sum (coordinator/accumulate.py): updates folded as they arrive, in a fixed order."""
+"""The running sum (coordinator/round/accumulate.py): updates folded as they arrive, in a fixed
+order."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from coordinator.accumulate import StreamingMean, fold_order, start_sum
+from coordinator.intake.spool import UpdateSpool
 from coordinator.records import UpdateKey
-from coordinator.spool import UpdateSpool
+from coordinator.round.accumulate import StreamingMean, fold_order, start_sum
 from strategies.robust import weighted_mean_of
 from wire.tensors import Manifest, TensorEntry, pack
 from wire.theta import ThetaBuffer

@@ -1,4 +1,5 @@
-"""theta_r lives in its file, not in the coordinator's memory (``coordinator.theta_file``)."""
+"""theta_r lives in its file, not in the coordinator's memory
+(``coordinator.persist.theta_file``)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ import pytest
 import torch
 from core_helpers import Clock, delta_like, heartbeat_all, new_core, push
 
-from coordinator.records import FatalError
-from coordinator.theta_file import (
+from coordinator.persist.theta_file import (
     ThetaFile,
     ThetaSource,
     block_size,
@@ -22,7 +22,8 @@ from coordinator.theta_file import (
     link_theta_file,
     write_theta_file,
 )
-from coordinator.theta_files import ThetaFiles
+from coordinator.persist.theta_writer import ThetaFiles
+from coordinator.records import FatalError
 from strategies.diloco import DiLoCo
 from strategies.fedavg import FedAvg
 from wire.safetensors_io import file_state_hash, write_tensors

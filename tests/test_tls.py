@@ -9,10 +9,10 @@ import grpc
 import pytest
 from coord_harness import CoordinatorProcess, job_config, run_cli, write_config
 
-from site_client.coordinator_client import CoordinatorClient
+from site_client.transfer.client import CoordinatorClient
 from wire.backoff import BackoffPolicy
-from wire.channel import open_channel
 from wire.identity import Bundle, init_ca, issue
+from wire.net.channel import open_channel
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 

@@ -14,10 +14,10 @@ except ImportError:
     import coord_harness as h
     from test_coordinator_cli import one_line_error
 
-from site_client.coordinator_client import CoordinatorClient
 from site_client.errors import TlsRefused
+from site_client.transfer.client import CoordinatorClient
 from wire.identity import Bundle, init_ca, issue
-from wire.tls_probe import host_matches, looks_like_tls
+from wire.net.tls_probe import host_matches, looks_like_tls
 
 pytestmark = pytest.mark.e2e
 TRAIN = str(h.REPO / "examples" / "gpt_diloco" / "train.py")

@@ -12,7 +12,7 @@ try:  # tests/ as a package or as a plain folder on sys.path
 except ImportError:
     import coord_harness as h
 
-from site_client.trainer_failure import TrainerFailure, block, restartable, root_cause
+from site_client.launch.trainer_failure import TrainerFailure, block, restartable, root_cause
 
 pytestmark = pytest.mark.e2e
 

@@ -1,6 +1,6 @@
 """The node ranks a multi-node site's hosts gave, checked once the trainers have met."""
 
-from site_client.trainer_nodes import node_ranks_problem
+from site_client.trainer.nodes import node_ranks_problem
 
 
 def test_every_node_rank_once_or_more_ranks_per_node_is_fine() -> None:

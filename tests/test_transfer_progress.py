@@ -1,4 +1,4 @@
-"""Progress of long transfers (``site_client.transfer_progress``), fed by the push and the theta
+"""Progress of long transfers (``site_client.transfer.progress``), fed by the push and the theta
 fetch, and the benchmarks' step lines (``bench.progress``). A fake clock: nothing sleeps."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ import torch
 from rich.console import Console
 
 from bench.progress import steps
-from site_client.push import UpdatePush
-from site_client.theta_fetch import ThetaFetcher
-from site_client.transfer_progress import (
+from site_client.agent.update_payload import payload_of
+from site_client.transfer.progress import (
     ProgressPolicy,
     Snapshot,
     TransferProgress,
@@ -23,7 +22,8 @@ from site_client.transfer_progress import (
     progress_line,
     terminal,
 )
-from site_client.update_payload import payload_of
+from site_client.transfer.push import UpdatePush
+from site_client.transfer.theta_fetch import ThetaFetcher
 from wire.bulk import chunk_frame, parse_chunk
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb

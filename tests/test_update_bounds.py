@@ -17,8 +17,8 @@ from core_helpers import Clock, heartbeat_all, new_core, push_payload
 from safetensors.torch import save_file
 
 from coordinator.records import PushHeader, Refused
-from site_client.shards import BOXES_KEY
-from site_client.update_payload import build_payload
+from site_client.agent.update_payload import build_payload
+from site_client.trainer.shards import BOXES_KEY
 from wire.codecs import CodecState
 from wire.codecs.base import HEADER
 from wire.codecs.rules import CompressionConfig

@@ -11,7 +11,7 @@ import pytest
 from coord_harness import FAST_BACKOFF, job_config, start_coordinator, wait_until
 
 from bench.relay import Relay
-from site_client.coordinator_client import CoordinatorClient
+from site_client.transfer.client import CoordinatorClient
 
 
 @pytest.mark.e2e

@@ -26,8 +26,8 @@ from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
 
 SERVICE = "isthmus.v1.Bulk"
-# A reservation (a header-only push with ``reserve``, ``coordinator.receive_slots``) waits this
-# long for a slot before it is answered without one; the site then asks again.
+# A reservation (a header-only push with ``reserve``, ``coordinator.intake.receive_slots``) waits
+# this long for a slot before it is answered without one; the site then asks again.
 RESERVE_WAIT_S = 15.0
 FETCH = f"/{SERVICE}/Fetch"
 PUSH = f"/{SERVICE}/Push"

@@ -1,7 +1,7 @@
 """What every isthmus command line shares: ``--tls-dir`` or ``--insecure``, ``--version``,
 flags that default to environment variables, and gRPC's own log level.
 
-Kept apart from ``wire.channel`` (which imports grpc) and from torch: a command line is
+Kept apart from ``wire.net.channel`` (which imports grpc) and from torch: a command line is
 parsed, and its ``--help`` printed, before either loads.
 """
 

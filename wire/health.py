@@ -2,7 +2,8 @@
 
 Each site's trainers run a probe when they start (the site's join) and before every
 ``every_rounds``-th round: a timed matmul on their device, an all-reduce over the site's own
-process group, and on GPUs the error counters the driver exposes (``site_client.health_probe``).
+process group, and on GPUs the error counters the driver exposes
+(``site_client.trainer.health_probe``).
 The agent sends the newest result in its heartbeats; the coordinator shows it in status and
 metrics and, with ``min_fraction > 0``, drains a site far below the others::
 

@@ -1,7 +1,7 @@
 """Streaming DiLoCo runs of the communication-efficiency benchmark (Douillard et al. 2025).
 
-The product's schedule (``wire.fragments``, ``site_client.streaming``,
-``coordinator.streaming``), simulated in one process like the blocking runs: the trainable
+The product's schedule (``wire.fragments``, ``site_client.trainer.streaming_rounds``,
+``coordinator.round.round_tensors``), simulated in one process like the blocking runs: the trainable
 tensors are split by ``fragment_plan`` into P fragments; coordinator round r lasts H/P inner
 steps and syncs fragment ``r % P`` only, so every fragment syncs once per H steps and the
 token budget is the blocking run's. At the end of round r each site hands over
@@ -11,7 +11,7 @@ state) and trains on; the coordinator closes the round on the fragment alone
 and encodes only the fragment down (``encode_delta(..., names=fragment)``, ``apply_delta`` on
 the partial manifest). Before step tau of round r+1 every site merges it,
 ``local <- alpha * local + (1 - alpha) * theta_{r+1}`` on that fragment (``alpha = 0``: an
-exact copy, as ``site_client.shards.merge_pieces`` does); the other fragments train on
+exact copy, as ``site_client.trainer.shards.merge_pieces`` does); the other fragments train on
 unmerged. theta_0 is loaded whole at the start; the final global theta is evaluated.
 
 Sites run one after another within a round, which changes nothing: a site's merge in round

@@ -13,7 +13,7 @@ import coord_harness as harness
 import grpc
 import torch
 
-from wire.grpc_options import channel_options
+from wire.net.grpc_options import channel_options
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.tensors import pack

@@ -27,7 +27,7 @@ import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from coordinator.spool import UpdateSpool
+from coordinator.intake.spool import UpdateSpool
 from strategies import RobustAggregator, load_strategy
 from strategies.robust import close_round
 from wire.tensors import pack

@@ -31,8 +31,8 @@ from torch.distributed.fsdp import fully_shard
 
 from examples.gpt_diloco.data import Corpus, CorpusConfig, evaluate, load_corpus
 from examples.gpt_diloco.model import build_model, lm_loss, transformer_blocks
-from site_client.trainer import SiteSession
-from site_client.trainer_round import Round
+from site_client.trainer.round import Round
+from site_client.trainer.session import SiteSession
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""The example GPT's trainer in the loop-wrapping form (``site_client.loop.SiteLoop``).
+"""The example GPT's trainer in the loop-wrapping form (``site_client.trainer.loop.SiteLoop``).
 
 The same training as ``train.py``, written as one ordinary loop, the way a torchft
 ``local_sgd.DiLoCo(manager, model, inner_opt, sync_every=H)`` user writes it: every H-th
@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # run as a file by the launcher: make the reposit
 
 from examples.gpt_diloco.model import lm_loss
 from examples.gpt_diloco.train import ValLoss, batch, finish, setup
-from site_client.loop import SiteLoop
+from site_client.trainer.loop import SiteLoop
 
 
 def main(argv=None) -> None:

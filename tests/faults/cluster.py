@@ -22,8 +22,8 @@ from bench.relay import Relay
 from faults.record import CheckpointWatcher, RunRecord, read_events
 from faults.site import SiteProcess, wait_while_sites_live
 from faults.spec import JobSpec
-from wire.channel import open_channel
 from wire.identity import Bundle, init_ca, issue
+from wire.net.channel import open_channel
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 

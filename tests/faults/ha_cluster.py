@@ -29,17 +29,17 @@ import grpc
 from coord_harness import CoordinatorProcess, subprocess_env, write_config
 
 from bench.relay import Relay
-from coordinator import s3_epochs, s3_layout
-from coordinator.event_remote import RemoteEvents, read_remote
-from coordinator.ha_cli import call_leader
-from coordinator.s3_objects import get_with_etag
-from coordinator.server import DEPOSED_EXIT
-from coordinator.storage import StorageConfig, open_store
+from coordinator.cli.ha import call_leader
+from coordinator.events.remote import RemoteEvents, read_remote
+from coordinator.persist import s3_epochs, s3_layout
+from coordinator.persist.storage_config import StorageConfig, open_store
+from coordinator.service.server import DEPOSED_EXIT
 from faults.record import RunRecord
 from faults.site import SiteProcess, wait_while_sites_live
 from faults.spec import JobSpec
-from wire.channel import open_channel
 from wire.identity import Bundle, init_ca, issue
+from wire.net.channel import open_channel
+from wire.objstore.objects import get_with_etag
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 

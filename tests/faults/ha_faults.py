@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from coord_harness import CoordinatorProcess
 
-from coordinator import s3_layout
-from coordinator.s3_objects import list_keys
+from coordinator.persist import s3_layout
 from faults.ha_cluster import HaCluster
 from faults.record import RunRecord
+from wire.objstore.objects import list_keys
 
 ROUND = 1
 RESTART_S = 30.0  # a restarted coordinator that finds the job complete exits within this

@@ -24,7 +24,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from coordinator.server import DEPOSED_EXIT
+from coordinator.service.server import DEPOSED_EXIT
 from faults.ha_cluster import TTL_S, HaCluster
 from faults.ha_faults import StandbyRun, checkpoint_uploading, signal_site
 

@@ -9,8 +9,8 @@ import torch
 
 from examples.gpt_diloco.model import build_model
 from faults.cluster import Cluster
-from wire.channel import open_channel
 from wire.identity import Bundle
+from wire.net.channel import open_channel
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.tensors import pack

@@ -71,7 +71,7 @@ def read_events(path: Path) -> list[dict]:
     """The event log's whole lines, its rotated segments first (a torn last line is skipped, as
     the coordinator does; a record both in a segment and the live file, as a rotation cut short
     leaves it, is read once)."""
-    from coordinator.event_history import list_segments
+    from coordinator.events.segments import list_segments
 
     texts = [gzip.decompress(s.path.read_bytes()).decode() for s in list_segments(path)]
     texts.append(path.read_text() if path.exists() else "")

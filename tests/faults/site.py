@@ -16,7 +16,7 @@ from pathlib import Path
 from coord_harness import REPO
 
 from faults.spec import JobSpec
-from site_client.trainer import STEP_SLOTS
+from site_client.trainer.session import STEP_SLOTS
 
 TRAIN = REPO / "examples" / "gpt_diloco" / "train.py"
 

@@ -1,4 +1,5 @@
-"""Faults of a streaming job (``[streaming]``, ``site_client.streaming``) while a fragment is in
+"""Faults of a streaming job (``[streaming]``, ``site_client.trainer.streaming_rounds``) while a
+fragment is in
 flight: a site has handed over round 1's fragment and trains on into round 2 before the
 coordinator has closed round 1 (it merges fragment 1 of theta_2 before step tau of round 2).
 
@@ -16,7 +17,7 @@ coordinator has closed round 1 (it merges fragment 1 of theta_2 before step tau 
 All of them train ``STREAMING``: two fragments, tau = 1, H = 8 (4 steps a coordinator round),
 a site checkpoint every step. The agent kill found that a checkpoint written ahead, before the
 merge, made the restarted site train round 1 again from theta_1 (another model): the trainers
-now write none before a pending merge (``site_client.streaming``).
+now write none before a pending merge (``site_client.trainer.streaming_rounds``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Data modes: federated (each site its own data) and shared (units with backup copies)."""

@@ -1,0 +1,141 @@
+"""Federated mode: each site trains on its own data, one update per participant per round.
+
+One of the two data modes behind the coordinator's small data-mode interface (the other is
+``coordinator.data.shared``): it says which updates a round admits and in which order they are
+summed, and when the round may close. Whether an update counts is ``rounds.admit_update``. An
+update that arrives after its round closed is dropped, or folded into the round after it with
+its weight multiplied by the strategy's ``staleness_weight`` (only an update for the round just
+closed, from one of its participants that it closed without).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from coordinator.records import Admission, ClosedRound, Refused, UpdateKey
+from coordinator.round.rules import (
+    RoundOptions,
+    RoundState,
+    UpdateRefused,
+    admit_update,
+    record_update,
+    waiting_reason,
+)
+from strategies import Strategy
+from strategies.base import checked_staleness_weight
+
+
+class FederatedData:
+    kind = "federated"
+    admits_latecomers = True  # past the deadline below quorum, sites that joined late count
+
+    def __init__(self, strategy: Strategy, last_closed: ClosedRound | None = None) -> None:
+        self.strategy = strategy
+        self.last_closed = last_closed
+
+    # ---- the round ------------------------------------------------------------------------
+
+    def round_opened(self, round: RoundState, post) -> None:
+        """Nothing to hand out: every participant trains on its own data."""
+
+    def slots(self, round: RoundState) -> list[str]:
+        """Fold order: the participants by name."""
+        return sorted(round.participants)
+
+    def slot_of(self, key: UpdateKey) -> str | None:
+        return None if key.late_from is not None else key.site
+
+    def task_for(self, round: RoundState, site: str) -> tuple[bool, str]:
+        return site in round.participants and not round.closed, ""
+
+    def close_view(self, round: RoundState, responsive: set[str]) -> tuple[RoundState, set[str]]:
+        return round, responsive
+
+    def waiting_reason(self, now: float, round: RoundState, live: set[str], opts: RoundOptions):
+        return waiting_reason(now, round, live, opts)
+
+    def speculate(self, now, round, members, post) -> bool:
+        return False  # data stays at its site: no backup copies
+
+    def take_cancels(self, site: str) -> list[str]:
+        return []
+
+    def has_cancels(self, site: str) -> bool:
+        return False
+
+    def round_closed(self, closed: ClosedRound, post) -> list[str]:
+        self.last_closed = closed
+        return []
+
+    # ---- updates --------------------------------------------------------------------------
+
+    def admit(
+        self,
+        round: RoundState,
+        site: str,
+        round_number: int,
+        unit: str,
+        counted: Collection[UpdateKey],
+    ) -> Admission:
+        """The site's own update for the open round, or a late one folded into it."""
+        try:
+            admit_update(round, site, round_number)
+            return Admission(UpdateKey(site), round_number, round.number)
+        except UpdateRefused as exc:
+            factor = self.fold_weight(round, site, round_number) if exc.code == "late" else 0.0
+            if factor <= 0:
+                raise Refused(exc.code, str(exc)) from exc
+        key = UpdateKey(site, late_from=round_number)
+        if key in counted:
+            raise Refused(
+                "duplicate", f"the late update of {site!r} for round {round_number} is counted"
+            )
+        return Admission(key, round.number, round_number, factor)
+
+    def recheck(
+        self, round: RoundState, admission: Admission, counted: Collection[UpdateKey]
+    ) -> Admission:
+        """At the end of an upload: may it still count (the round may have moved on)."""
+        key = admission.key
+        if key.late_from is None:
+            try:
+                admit_update(round, key.site, admission.storage_round)
+            except UpdateRefused as exc:
+                raise Refused(exc.code, str(exc)) from exc
+            return admission
+        again = self.admit(round, key.site, key.late_from, "", counted)
+        if again.key.late_from is None:
+            raise Refused("invalid", f"round {key.late_from} is open again")
+        return again
+
+    def fold_weight(self, round: RoundState, site: str, round_number: int) -> float:
+        """The strategy's discount for a late update of ``round_number`` (0: drop it)."""
+        closed = self.last_closed
+        if (
+            closed is None
+            or round_number != closed.number
+            or round.number != round_number + 1
+            or site not in closed.participants
+            or site in closed.sites
+        ):
+            return 0.0
+        return checked_staleness_weight(self.strategy, site, 1)
+
+    def record(self, round: RoundState, key: UpdateKey, weight: float, now: float, post):
+        """The open round with ``key`` counted (a late update is not one of its own)."""
+        if key.late_from is not None:
+            return round
+        return record_update(round, key.site, weight)
+
+    def replay(self, round: RoundState, key: UpdateKey, weight: float) -> RoundState:
+        """Count a spooled update of the round in flight again after a restart."""
+        return self.record(round, key, weight, 0.0, None)
+
+    def readmit(self, round: RoundState, key: UpdateKey) -> None:
+        """A spooled update was lost at a restart: nothing to undo, its site is a participant
+        that has not delivered (``admit`` takes its update again)."""
+
+    # ---- persistence ----------------------------------------------------------------------
+
+    def meta(self) -> dict:
+        return {}

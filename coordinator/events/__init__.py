@@ -1,0 +1,1 @@
+"""The append-only event log, its segments, and the history read back from it."""

@@ -1,0 +1,1 @@
+"""Receiving updates: uploads checked chunk by chunk, verified, spooled durably."""

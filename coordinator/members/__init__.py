@@ -1,0 +1,1 @@
+"""Who is in the job: leases with fencing tokens, suspicion, drains."""

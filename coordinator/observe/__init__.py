@@ -1,0 +1,1 @@
+"""What an operator sees: status, the status page, metrics, server-side evaluation."""

@@ -1,0 +1,1 @@
+"""Durable state: checkpoints (local folder or object storage), theta files, the disk."""

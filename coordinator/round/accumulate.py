@@ -1,0 +1,206 @@
+"""The round's weighted sum, folded while updates arrive, in an order fixed by the round.
+
+Floating-point addition is not associative, so a sum taken in arrival order would differ from
+run to run. The order here is a list of *slots* fixed when the round opens (the participants by
+name in federated mode, the data units by index in shared-data mode), extended at the end for
+sites admitted late, then a tail of late updates folded in from the round before (by label).
+Each update is decoded into the accumulator as soon as every slot before it is filled; the rest
+(after a slot that never filled, say) at close, skipping the empty slots. theta_{r+1} therefore
+depends only on the set of updates; the close record keeps the order actually used, so a
+replay after a crash sums the same updates in the same order, bit for bit.
+
+One worker thread does all folding; offering an update never blocks the caller. Memory: the
+accumulator (one float32 model, allocated at the first fold) plus one chunk of scratch.
+Updates are read back from the spool with ``readinto`` rather than mapped, so their pages stay
+out of the process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import torch
+
+from coordinator.intake.spool import SpooledUpdate, read_entry, read_into
+from coordinator.records import UpdateKey
+from wire.tensors import entry_tensor
+from wire.theta import ThetaBuffer
+
+_local = threading.local()
+
+
+@dataclass(frozen=True)
+class Folded:
+    """The mean of a round's updates, and what went into it."""
+
+    mean: dict[str, torch.Tensor]
+    total_weight: float
+    weights: dict[UpdateKey, float]
+    order: tuple[UpdateKey, ...]
+
+
+FOLD_CHUNK = 1 << 20  # elements; a multiple of every vector width, so chunking is exact
+
+
+def fold_into(acc: Mapping[str, torch.Tensor], update: SpooledUpdate, alpha: float) -> None:
+    """``acc += alpha * update``, tensor by tensor (a piece into its box). A raw float32
+    tensor is read and added a chunk at a time (elementwise, so the same bits), so folding
+    holds 4 MiB of scratch rather than a tensor's worth."""
+    for e in update.manifest.entries:
+        target = acc[e.name][e.box()] if e.is_piece else acc[e.name]
+        if e.codec == "none" and e.dtype == "float32" and target.is_contiguous():
+            _fold_raw(target.view(-1), update, e, alpha)
+            continue
+        delta = entry_tensor(e, read_entry(update.path, e))
+        target.add_(delta.to(torch.float32), alpha=alpha)
+
+
+def _fold_raw(flat: torch.Tensor, update: SpooledUpdate, e, alpha: float) -> None:
+    scratch = _chunk_scratch()
+    for start in range(0, flat.numel(), FOLD_CHUNK):
+        part = flat[start : start + FOLD_CHUNK]
+        raw = scratch[: part.numel() * 4]
+        read_into(update.path, e.offset + start * 4, raw)
+        part.add_(raw.view(torch.float32), alpha=alpha)
+
+
+def _chunk_scratch() -> torch.Tensor:
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = torch.empty(FOLD_CHUNK * 4, dtype=torch.uint8)
+    return buf
+
+
+def fold_order(slots: Sequence[str], filled: Mapping[str, UpdateKey], tail) -> list[UpdateKey]:
+    """Filled slots in slot order, then the tail by label."""
+    return [filled[s] for s in slots if s in filled] + sorted(tail, key=lambda k: k.label)
+
+
+def start_sum(
+    theta: ThetaBuffer, trainable: Sequence[str], worker: ThreadPoolExecutor, slots: Sequence[str]
+) -> StreamingMean:
+    """A zero sum for a round that opens, allocated when the first update is folded (not while
+    theta_r may still be in memory, on its way to its file). When every trainable tensor is
+    float32 the sum lives in a buffer laid out like theta, so that theta_{r+1} can be written
+    over it in place. Only theta's layout is kept, never its tensors."""
+    manifest = replace(theta.manifest, sha256=b"\0" * 32)
+    names = list(trainable)
+    if all(theta.tensors[n].dtype == torch.float32 for n in names):
+
+        def zeros():
+            buffer = ThetaBuffer.on(manifest, torch.zeros(manifest.total_bytes, dtype=torch.uint8))
+            return {n: buffer.tensors[n] for n in names}, buffer
+
+    else:
+        shapes = {n: theta.tensors[n].shape for n in names}
+
+        def zeros():
+            return {n: torch.zeros(shape, dtype=torch.float32) for n, shape in shapes.items()}, None
+
+    running = StreamingMean(zeros, worker)
+    running.expect(slots)
+    return running
+
+
+class StreamingMean:
+    """Folds one round's updates (see the module docstring); ``finish`` returns the mean."""
+
+    def __init__(
+        self,
+        like: Mapping[str, torch.Tensor] | Callable[[], tuple[dict, ThetaBuffer | None]],
+        worker: ThreadPoolExecutor,
+    ) -> None:
+        # The zero float32 targets (e.g. views into the next theta's buffer), or what makes
+        # them when the worker first needs them.
+        self._zeros = like if callable(like) else (lambda: (dict(like), None))
+        self._like: dict[str, torch.Tensor] | None = None
+        self._buffer: ThetaBuffer | None = None
+        self._worker = worker
+        self._lock = threading.Lock()
+        self._slots: list[str] = []
+        self._filled: dict[str, UpdateKey] = {}
+        self._updates: dict[UpdateKey, tuple[SpooledUpdate, float]] = {}
+        self._tail: set[UpdateKey] = set()
+        self._done: list[UpdateKey] = []
+        self._next = 0  # slots before this one are folded (or skipped at close)
+        self._error: BaseException | None = None
+
+    def expect(self, slots: Sequence[str]) -> None:
+        """Slots in fold order; a later call may only add slots at the end."""
+        with self._lock:
+            if list(slots[: len(self._slots)]) != self._slots:
+                raise ValueError("slots of an open round can only be added at the end")
+            self._slots = list(slots)
+
+    def offer(self, slot: str | None, key: UpdateKey, update: SpooledUpdate, alpha: float) -> None:
+        """A counted update for ``slot`` (None: the tail); it is folded when its turn comes."""
+        with self._lock:
+            self._updates[key] = (update, alpha)
+            if slot is None:
+                self._tail.add(key)
+            else:
+                self._filled[slot] = key
+        self._worker.submit(self._fold_ready)
+
+    @property
+    def buffer(self) -> ThetaBuffer | None:
+        """The buffer the mean lives in (theta's layout), once ``finish`` returned."""
+        return self._buffer
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        if self._like is None:
+            self._like, self._buffer = self._zeros()
+        return self._like
+
+    def order(self) -> list[UpdateKey]:
+        """The fold order of everything offered so far."""
+        with self._lock:
+            return fold_order(self._slots, self._filled, self._tail)
+
+    def finish(self, keys: Sequence[UpdateKey]) -> Future:
+        """Fold ``keys`` (a fold order: the round's close record) and divide by their weight;
+        the future's result is a ``Folded``."""
+        return self._worker.submit(self._finish, list(keys))
+
+    # ---- the worker thread ----------------------------------------------------------------
+
+    def _fold_ready(self) -> None:
+        while self._error is None:
+            with self._lock:
+                if self._next >= len(self._slots) or self._slots[self._next] not in self._filled:
+                    return
+                key = self._filled[self._slots[self._next]]
+                self._next += 1
+            self._fold(key)
+
+    def _fold(self, key: UpdateKey) -> None:
+        update, alpha = self._updates[key]
+        try:
+            fold_into(self._targets(), update, alpha)
+        except BaseException as exc:  # a spool file that no longer decodes: the close fails
+            self._error = exc
+            return
+        self._done.append(key)
+
+    def _finish(self, keys: list[UpdateKey]) -> Folded:
+        if self._error is not None:
+            raise self._error
+        if self._done != keys[: len(self._done)]:
+            raise RuntimeError(f"folded {self._done}, but the round closes with {keys}")
+        for key in keys[len(self._done) :]:
+            if key not in self._updates:
+                raise RuntimeError(f"update {key.label} was never offered")
+            self._fold(key)
+            if self._error is not None:
+                raise self._error
+        weights = {k: self._updates[k][0].weight for k in keys}
+        total = sum(weights.values())
+        if total <= 0:
+            raise ValueError("no update weight to average")
+        like = self._targets()
+        for t in like.values():
+            t.div_(total)
+        return Folded(dict(like), total, weights, tuple(keys))

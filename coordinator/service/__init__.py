@@ -1,0 +1,1 @@
+"""The process edge: the gRPC server and servicer, call admission, limits, shutdown."""

@@ -1,0 +1,304 @@
+"""The agent's WAN worker: fetch theta when a task needs it, push the updates handed over.
+
+Theta arrives straight into a safetensors file in shared memory (``theta-vN.safetensors``),
+whole or rebuilt from the delta to the version held; the trainers map their own boxes of it.
+An update goes up as the trainers' shard files, encoded piece by piece
+(``site_client.agent.update_payload``). Its last chunk waits until the trainers' checkpoint of the
+task is on disk: once the coordinator counts the update, the site can always go on exactly
+from where that update left it.
+
+A counted update stays held (``site_client.agent.tasks``): when the coordinator says it lost its
+copy (``RoundInfo.update_wanted``, after a restart found the spooled file damaged) the same payload
+is pushed again, byte for byte. An update for a round the coordinator is not at yet waits (a
+restarted coordinator may have gone back to the round before, to take such an update back).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import grpc
+
+from site_client.agent.compression import CODEC_STATE_FILE, save_codec_state
+from site_client.agent.state import AgentConfig, AgentState, Offer
+from site_client.agent.tasks import describe, task_of
+from site_client.agent.update_payload import build_payload, residual_snapshot
+from site_client.errors import CoordinatorError, PartsStalled, PushAborted
+from site_client.timings import record
+from site_client.transfer.theta_fetch import GlobalState
+from wire.backoff import DeadlineExceeded
+from wire.codecs import CodecState
+from wire.codecs.rules import CompressionConfig
+from wire.safetensors_io import map_tensors, write_tensors
+
+log = logging.getLogger("isthmus.site")
+TIMINGS = "timings.jsonl"
+
+
+class WanWorker:
+    def __init__(
+        self,
+        state: AgentState,
+        client,
+        cfg: AgentConfig,
+        compression: CompressionConfig | None,
+        codec_state: CodecState,
+    ) -> None:
+        self.state, self.client, self.cfg = state, client, cfg
+        self.compression, self.codec_state = compression, codec_state
+
+    def loop(self, interval_s: float) -> None:
+        """The WAN thread: wait for work, do it, until the agent stops or fails."""
+        state = self.state
+        try:
+            while True:
+                with state.cond:
+                    state.cond.wait_for(
+                        lambda: state.stopping or state.error or self.work() is not None,
+                        timeout=interval_s,
+                    )
+                    if state.stopping or state.error:
+                        return
+                    work = self.work()
+                if work == "fetch":
+                    self.fetch()
+                elif work == "resend":
+                    self.resend()
+                elif work == "push":
+                    self.push()
+        except (CoordinatorError, DeadlineExceeded, OSError) as exc:
+            state.fail(f"WAN transfer failed: {exc}")
+
+    def work(self) -> str | None:
+        """What to do next (called under ``cond``)."""
+        s = self.state
+        if s.info is None:
+            return None
+        if s.book.wanted_again(s.info) is not None:
+            return "resend"
+        upload = s.book.next_upload()
+        if upload is not None and _may_push(upload, s.info):
+            return "push"
+        task = task_of(s.info)
+        wanted = s.info.finished or (task is not None and not s.book.done(task))
+        if wanted and not _holds(s.ready, s.info):
+            return "fetch"
+        return None
+
+    def resend(self) -> None:
+        """Queue the delivered update the coordinator asks for again, then push it."""
+        s = self.state
+        with s.cond:
+            task = s.book.wanted_again(s.info)
+            if task is None or s.book.take_back(task) is None:
+                return
+            # Acted on: the coordinator's next reply says whether it still wants it.
+            s.info.update_wanted = False
+        log.warning(
+            "[%s] the coordinator lost its copy of the %s update: sending it again",
+            self.cfg.site,
+            describe(task),
+        )
+        self.push()
+
+    def fetch(self) -> None:
+        s = self.state
+        with s.cond:
+            info, held = s.info, s.held
+            s.progress.phase = "fetching"
+        name = f"theta-v{info.version}"
+        if held is not None and held.version == info.version:
+            # Same version, another theta: a restarted coordinator had to close its round
+            # again without an update it lost. Fetched whole, into a new file (the trainers
+            # may still map the old one).
+            log.warning("[%s] theta_%d changed; fetching it again", self.cfg.site, info.version)
+            held, name = None, f"{name}-{info.theta_hash.hex()[:12]}"
+        started = time.monotonic()
+        received = self.client.bytes_received
+        dest = self.cfg.shm_dir / f"{name}.safetensors"
+        try:
+            got = self.client.fetch(info.version, held=held, dest=dest)
+            if got.path is None:  # served in a layout the file could not take: write it out
+                write_tensors(dest, got.theta)
+                file = map_tensors(dest)
+                got = GlobalState(got.version, file.tensors, got.theta_hash, dest, file)
+        except CoordinatorError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            # The coordinator moved on since we last heard; ask it where to.
+            log.info("[%s] %s; asking for the round again", self.cfg.site, exc)
+            reply = self.client.heartbeat()
+            s.heard(reply.round, reply.commands)
+            return
+        seconds = time.monotonic() - started
+        with s.cond:
+            s.transfers.add("fetch", seconds)
+            previous = s.ready
+            s.held = got
+            s.ready = Offer(
+                info.round,
+                got.version,
+                str(got.path),
+                got.theta_hash.hex(),
+                bool(info.finished),
+                info.inner_steps,
+                info.total_rounds,
+            )
+            s.progress.phase = "training"
+            s.cond.notify_all()
+        got_bytes = self.client.bytes_received - received
+        record(self.cfg.run_dir / TIMINGS, "fetch", version=got.version, s=seconds, bytes=got_bytes)
+        if previous is not None and previous.theta_path != str(got.path):
+            # Trainers still reading it keep their mapping: the file goes once they let go.
+            Path(previous.theta_path).unlink(missing_ok=True)
+        log.info(
+            "[%s] %s theta_%d (%s) in %.2fs",
+            self.cfg.site,
+            "final" if info.finished else f"round {info.round}:",
+            got.version,
+            got.theta_hash.hex()[:12],
+            seconds,
+        )
+        if info.finished:
+            self.write_final(got.version, got.theta_hash.hex())
+
+    def push(self) -> None:
+        s = self.state
+        with s.cond:
+            job = s.book.start_upload()
+            if job is None:  # cancelled since the WAN thread chose to push it
+                return
+            s.progress.phase = "pushing"
+        started = time.monotonic()
+        sent_before = self.client.bytes_sent
+        residuals = residual_snapshot(self.codec_state)
+        outcome, counted = self._send(job)
+        if outcome is None:  # the coordinator is at an earlier round: push it once there
+            self.codec_state.load_state_dict(residuals)  # encoded again then, the same
+            with s.cond:
+                s.book.hold(job)
+                s.progress.phase = "idle"
+                s.cond.notify_all()
+            log.info(
+                "[%s] %s: waiting for the coordinator to reach it",
+                self.cfg.site,
+                describe(job.task),
+            )
+            return
+        self._settle_residuals(job, counted, residuals, outcome)
+        job.discard_files()  # a held payload keeps its mapping of them
+        with s.cond:
+            s.book.end_upload(job, counted)
+            if counted and s.info is not None and task_of(s.info) == job.task:
+                # An ask for it again heard meanwhile predates this count: the
+                # coordinator's next reply says whether it still wants it.
+                s.info.update_wanted = False
+            s.progress.phase = "idle"
+            s.cond.notify_all()
+        sent, seconds = self.client.bytes_sent - sent_before, time.monotonic() - started
+        held_s = getattr(self.client, "last_push_held_s", 0.0)
+        with s.cond:
+            s.transfers.add("push", seconds, held_s)
+        record(
+            self.cfg.run_dir / TIMINGS,
+            "push",
+            round=job.task.round,
+            unit=job.task.unit,
+            s=seconds,
+            bytes=sent,
+            held_s=held_s,
+            counted=counted,
+        )
+        log.info(
+            "[%s] %s: pushed %.2f MB in %.2fs (%s)",
+            self.cfg.site,
+            describe(job.task),
+            sent / 1e6,
+            seconds,
+            outcome,
+        )
+
+    def _send(self, job) -> tuple[str | None, bool]:
+        """Push ``job`` (its held payload when it is sent again); the outcome for the log and
+        whether it counted. Outcome None: refused as early, to be pushed later."""
+        resend = job.payload is not None and job.part is None  # a part is placed at hand-off
+        if job.payload is None:
+            job.payload = build_payload(job.paths, self.compression, self.codec_state)
+        try:
+            reply = self.client.push(
+                job.task.round,
+                job.payload,
+                weight=job.weight,
+                base_version=job.version,
+                data_unit=job.task.unit,
+                abort=lambda: job.aborted,
+                hold=job.durable,
+                # A multi-node site: this host's part, under the id every node pushes with.
+                upload_id=job.upload_id,
+                part=job.part,
+            )
+            return reply.message, True
+        except PartsStalled as exc:
+            return f"withdrawn: {exc}", False
+        except PushAborted:
+            return "withdrawn: another copy of its unit was committed first", False
+        except CoordinatorError as exc:
+            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                if not resend and self._behind(job.task.round):
+                    if job.part is None:
+                        job.payload = None  # encoded again once the coordinator is there
+                    return None, False
+                # The round closed without this site (deadline): the strategy's rule for late
+                # updates applies, and the trainers go on with the next task.
+                return f"dropped: {exc}", False
+            if exc.code == grpc.StatusCode.ALREADY_EXISTS:
+                return f"lost the race: {exc}", False
+            raise
+
+    def _behind(self, round_number: int) -> bool:
+        """Whether the coordinator is at a round before ``round_number``, or at that round
+        but has not opened it to this site yet (asked afresh: a restarted or new leader
+        replaying the round before)."""
+        reply = self.client.heartbeat()
+        self.state.heard(reply.round, reply.commands)
+        with self.state.cond:
+            info = self.state.info
+            unopened = info.round == round_number and not info.participant
+            return not info.finished and (info.round < round_number or unopened)
+
+    def _settle_residuals(self, job, counted: bool, residuals, outcome: str) -> None:
+        if counted:
+            # Delivered: the residuals the encoding left are what the next update adds back.
+            save_codec_state(self.cfg.run_dir / CODEC_STATE_FILE, self.codec_state)
+            return
+        # Not counted, so the error it carried was never applied: keep carrying it.
+        self.codec_state.load_state_dict(residuals)
+        log.warning("[%s] %s update not counted: %s", self.cfg.site, describe(job.task), outcome)
+
+    def write_final(self, version: int, theta_hash: str) -> None:
+        final = {
+            "site": self.cfg.site,
+            "version": version,
+            "theta_hash": theta_hash,
+            "wan_bytes_sent": self.client.bytes_sent,
+            "wan_bytes_received": self.client.bytes_received,
+        }
+        (self.cfg.run_dir / "final.json").write_text(json.dumps(final))
+
+
+def _may_push(upload, info) -> bool:
+    """Whether ``upload`` may go now: its round is the coordinator's or past, and a push
+    refused as early waits until the round is open to this site."""
+    if info.finished or upload.task.round < info.round:
+        return True
+    return upload.task.round == info.round and (info.participant or not upload.early)
+
+
+def _holds(ready: Offer | None, info) -> bool:
+    """Whether the theta published to the trainers is the one ``info`` names."""
+    if ready is None or ready.version != info.version:
+        return False
+    return not info.theta_hash or ready.theta_hash == info.theta_hash.hex()

@@ -1,0 +1,1 @@
+"""Site checkpoints with torch.distributed.checkpoint: local folder or object storage."""

@@ -1,0 +1,1 @@
+"""Starting the site's trainers with torch's elastic launcher, and why they failed."""

@@ -1,0 +1,1 @@
+"""Moving payloads over the WAN: the client's calls, fetches and pushes over K streams."""

@@ -1,0 +1,1 @@
+"""Connections: channels with mutual TLS, gRPC settings, finding the leader, TLS diagnosis."""

@@ -1,0 +1,1 @@
+"""S3-compatible object storage, as both the coordinator and the sites use it."""
