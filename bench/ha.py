@@ -71,7 +71,8 @@ def takeovers(folder: Path, kills: int, ttl: int, etcd, url: str) -> list[float]
     import coord_harness as h
 
     from coordinator.cli.ha import call_leader
-    from coordinator.persist.storage_config import StorageConfig, open_store
+    from coordinator.persist.open_store import open_store
+    from wire.objstore.config import StorageConfig
     from wire.proto import isthmus_pb2 as pb
 
     cfg = h.job_config(storage={"url": url})
@@ -116,7 +117,8 @@ def checkpoint_ratios(mib: int, url: str, seaweed) -> tuple[float, float]:
     from boto3.s3.transfer import TransferConfig
 
     from coordinator.persist.local_store import Checkpoint
-    from coordinator.persist.storage_config import StorageConfig, open_store, parse_url
+    from coordinator.persist.open_store import open_store
+    from wire.objstore.config import StorageConfig, parse_url
     from wire.objstore.objects import UPLOAD_THREADS
 
     store = open_store(Path(tempfile.gettempdir()), StorageConfig(url))

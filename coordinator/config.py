@@ -12,7 +12,7 @@ written once (read by ``wire.config_table.load_table``): ``[model]`` in
 ``coordinator.data.speculation``, ``[compression]`` in ``wire.codecs.rules``, ``[events]`` in
 ``coordinator.events.segments``, ``[evaluation]`` in ``coordinator.observe.evaluation``,
 ``[streaming]`` in ``wire.fragments``, ``[health]`` in ``wire.health``, ``[storage]`` in
-``coordinator.persist.storage_config`` and ``[transfer]`` in ``wire.transfer``. The rest are here,
+``coordinator.persist.open_store`` and ``[transfer]`` in ``wire.transfer``. The rest are here,
 with the rules that span tables.
 
 With ``[streaming]`` (P fragments) each coordinator round syncs one fragment and covers
@@ -101,7 +101,6 @@ from coordinator.members.failure_detector import TimeoutsConfig
 from coordinator.model_source import ModelConfig
 from coordinator.observe.evaluation import EvaluationConfig, needs_factory
 from coordinator.overrides import apply_overrides
-from coordinator.persist.storage_config import StorageConfig
 from coordinator.round.rules import RoundsConfig
 from strategies.robust import AggregationConfig
 from wire.codecs.rules import CodecConfigError, CompressionConfig, compression_tables
@@ -118,6 +117,7 @@ from wire.config_table import (
 )
 from wire.fragments import StreamingConfig, streaming_from_job
 from wire.health import HealthConfig, health_from_job
+from wire.objstore.config import StorageConfig
 from wire.transfer import TransferConfig, transfer_from_job
 
 __all__ = [

@@ -36,7 +36,7 @@ from coordinator.observe.status import StatusSnapshot, snapshot_of
 from coordinator.persist.checkpointing import CheckpointWriter
 from coordinator.persist.disk import until_written
 from coordinator.persist.local_store import StoreError
-from coordinator.persist.storage_config import open_store
+from coordinator.persist.open_store import open_store
 from coordinator.persist.theta_writer import ThetaFiles
 from coordinator.records import (
     FatalError,

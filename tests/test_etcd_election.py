@@ -15,7 +15,8 @@ from coordinator.ha.etcd_election import EtcdElection
 from coordinator.ha.options import ha_options
 from coordinator.ha.role import Deposed, HaRole
 from coordinator.persist.local_store import Checkpoint, StoreError
-from coordinator.persist.storage_config import StorageConfig, open_store
+from coordinator.persist.open_store import open_store
+from wire.objstore.config import StorageConfig
 
 TTL_S = 2
 STEADY_TTL_S = 5  # where nothing waits for a lease to lapse: a loaded machine renews in time

@@ -25,13 +25,14 @@ except ImportError:
 from coordinator.cli.ha import call_leader
 from coordinator.events.remote import RemoteEvents, read_remote
 from coordinator.events.segments import read_events
-from coordinator.persist.storage_config import StorageConfig, open_store, parse_url
+from coordinator.persist.open_store import open_store
 from site_client.transfer.client import CoordinatorClient
 from wire.backoff import BackoffPolicy
 from wire.config_table import ConfigError
 from wire.identity import Bundle, init_ca, issue
 from wire.net.channel import open_channel
 from wire.net.leader import LEADER_KEY
+from wire.objstore.config import StorageConfig, parse_url
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.tensors import state_hash

@@ -18,8 +18,9 @@ try:  # tests/ as a package or as a plain folder on sys.path
 except ImportError:
     import coord_harness as h
 
-from coordinator.persist.storage_config import StorageConfig, open_store
+from coordinator.persist.open_store import open_store
 from site_client.transfer.client import CoordinatorClient
+from wire.objstore.config import StorageConfig
 from wire.tensors import state_hash
 
 pytestmark = pytest.mark.e2e

@@ -14,7 +14,8 @@ from coordinator.members.leases import EPOCH_SHIFT
 from coordinator.persist import s3_epochs as epochs
 from coordinator.persist import s3_layout as layout
 from coordinator.persist.local_store import Checkpoint, StoreError
-from coordinator.persist.storage_config import StorageConfig, open_store
+from coordinator.persist.open_store import open_store
+from wire.objstore.config import StorageConfig
 from wire.objstore.objects import put_if
 from wire.proto import isthmus_pb2 as pb
 

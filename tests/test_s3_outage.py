@@ -16,7 +16,8 @@ from coordinator.events.remote import RemoteEvents
 from coordinator.persist import s3_layout as layout
 from coordinator.persist.checkpointing import CheckpointWriter
 from coordinator.persist.local_store import Checkpoint, StoreError, StoreUnavailable
-from coordinator.persist.storage_config import StorageConfig, open_store
+from coordinator.persist.open_store import open_store
+from wire.objstore.config import StorageConfig
 
 
 def _store(aws):

@@ -14,9 +14,10 @@ from seaweed import AWS_VARS
 from coordinator.config import parse_config
 from coordinator.persist import s3_layout as layout
 from coordinator.persist.local_store import Checkpoint, CheckpointStore, StoreError
+from coordinator.persist.open_store import open_store
 from coordinator.persist.s3_store import S3CheckpointStore
-from coordinator.persist.storage_config import StorageConfig, check_storage, open_store, parse_url
 from wire.config_table import ConfigError
+from wire.objstore.config import StorageConfig, check_storage, parse_url
 from wire.objstore.objects import Blob
 
 

@@ -106,7 +106,7 @@ def _add_status_parser(sub) -> None:
 
 def _serve(args) -> int:
     from coordinator.config import load_config
-    from coordinator.persist.storage_config import check_storage
+    from wire.objstore.config import check_storage
 
     if args.listen and (problem := check_listen(args.listen)):
         raise ConfigError(f"--listen {args.listen}: {problem}")

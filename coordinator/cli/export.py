@@ -33,7 +33,8 @@ def add_export_parser(sub) -> None:
 def run_export(args) -> int:
     from coordinator.persist.export import export_model
     from coordinator.persist.local_store import StoreError
-    from coordinator.persist.storage_config import StorageConfig, check_url, open_store
+    from coordinator.persist.open_store import open_store
+    from wire.objstore.config import StorageConfig, check_url
 
     if problem := check_url(args.storage_url):
         raise ConfigError(f"--storage-url {args.storage_url}: {problem}")

@@ -27,13 +27,8 @@ def add_history_parser(sub) -> None:
 def _remote_events(url: str) -> list:
     """The events of the log under ``url``; ``ValueError`` (one line) if it cannot be read."""
     from coordinator.events.remote import RemoteEvents, read_remote
-    from coordinator.persist.storage_config import (
-        StorageConfig,
-        check_storage,
-        parse_url,
-        s3_client,
-    )
     from wire.config_table import ConfigError
+    from wire.objstore.config import StorageConfig, check_storage, parse_url, s3_client
 
     parsed = parse_url(url)
     if parsed is None:

@@ -32,7 +32,7 @@ from coordinator.observe.evaluator import Evaluator
 from coordinator.persist.checkpointing import CheckpointWriter
 from coordinator.persist.disk import until_written
 from coordinator.persist.local_store import Checkpoint
-from coordinator.persist.storage_config import checkpoint_bytes
+from coordinator.persist.open_store import checkpoint_bytes
 from coordinator.persist.theta_file import ThetaFile
 from coordinator.persist.theta_writer import ThetaFiles
 from coordinator.records import ClosedRound, FatalError

@@ -19,7 +19,7 @@ from coordinator.ha.role import Deposed, HaRole, Term
 from coordinator.observe.metrics import CoordinatorMetrics
 from coordinator.persist.export import Exported, export_model, final_model_path, write_model_card
 from coordinator.persist.local_store import StoreError, write_atomic
-from coordinator.persist.storage_config import open_store
+from coordinator.persist.open_store import open_store
 from coordinator.records import FatalError
 from coordinator.service.auth import Authorizer, RevocationList
 from coordinator.service.call_gate import CallGate, CallLimits, method_handlers

@@ -17,13 +17,8 @@ class CheckpointUrlError(ValueError):
 
 def open_checkpoint_url(url: str, site: str) -> tuple[object, SiteBucket]:
     """A boto3 client and the site's folder under ``url``, once the bucket has answered."""
-    from coordinator.persist.storage_config import (
-        StorageConfig,
-        check_storage,
-        parse_url,
-        s3_client,
-    )
     from wire.config_table import ConfigError
+    from wire.objstore.config import StorageConfig, check_storage, parse_url, s3_client
 
     where = f"--checkpoint-url {url}"
     parsed = parse_url(url)

@@ -32,13 +32,14 @@ from bench.relay import Relay
 from coordinator.cli.ha import call_leader
 from coordinator.events.remote import RemoteEvents, read_remote
 from coordinator.persist import s3_epochs, s3_layout
-from coordinator.persist.storage_config import StorageConfig, open_store
+from coordinator.persist.open_store import open_store
 from coordinator.service.server import DEPOSED_EXIT
 from faults.record import RunRecord
 from faults.site import SiteProcess, wait_while_sites_live
 from faults.spec import JobSpec
 from wire.identity import Bundle, init_ca, issue
 from wire.net.channel import open_channel
+from wire.objstore.config import StorageConfig
 from wire.objstore.objects import get_with_etag
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc

@@ -1,10 +1,7 @@
-"""Where the coordinator's checkpoints live: the ``[storage]`` table and ``open_store``.
+"""The ``[storage]`` table and the S3 client both sides build from it.
 
-By default (``url = ""``) checkpoints go to the local state folder
-(``coordinator.persist.local_store``):
-nothing to install for a one-machine job. ``url = "s3://BUCKET/PREFIX"`` keeps them in
-S3-compatible object storage instead (``coordinator.persist.s3_store``; needs the ``s3`` extra,
-``pip install 'isthmus[s3]'``)::
+``url = "s3://BUCKET/PREFIX"`` names S3-compatible object storage (needs the ``s3`` extra,
+``pip install 'isthmus[s3]'``); ``""`` is the local state folder::
 
     [storage]
     url = "s3://my-bucket/jobs/gpt"   # checkpoints under jobs/gpt/checkpoints/
@@ -13,10 +10,9 @@ S3-compatible object storage instead (``coordinator.persist.s3_store``; needs th
 
 Credentials come from the usual AWS variables or files (``AWS_ACCESS_KEY_ID`` and
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws``); ``check_storage`` refuses a start
-without them, in one line naming what is missing, before any state is touched. Only the
-checkpoints (theta, strategy and downlink state, the data ledger in their meta) and the start
-epoch move to the object store: the spool, the event log, the drain list, the lock and the
-final model stay in the local state folder.
+without them, in one line naming what is missing, before any state is touched. The coordinator
+keeps its checkpoints there (``coordinator.persist.open_store``), a site its own
+(``siteclient start --checkpoint-url``, ``site_client.checkpoint.url``).
 """
 
 from __future__ import annotations
@@ -24,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from wire.config_table import ConfigError, positive, setting
 
@@ -117,22 +112,6 @@ def check_storage(cfg: StorageConfig, where: str | None = None) -> None:
         )
 
 
-def open_store(state_dir: Path, cfg: StorageConfig | None = None, read_only: bool = False):
-    """The checkpoint store the config names: the state folder's, or the object store's."""
-    from coordinator.persist.local_store import CheckpointStore
-
-    if cfg is None or not cfg.remote:
-        return CheckpointStore(state_dir, read_only=read_only)
-    check_storage(cfg)
-    from coordinator.persist.s3_store import S3CheckpointStore
-
-    bucket, prefix = parse_url(cfg.url)
-    client = s3_client(cfg)
-    return S3CheckpointStore(
-        client, bucket, prefix, part_bytes=cfg.multipart_mib << 20, read_only=read_only
-    )
-
-
 def s3_client(cfg: StorageConfig):
     import boto3
     from botocore.config import Config
@@ -148,10 +127,3 @@ def s3_client(cfg: StorageConfig):
     return session.client(
         "s3", endpoint_url=endpoint, region_name=region_of(session), config=config
     )
-
-
-def checkpoint_bytes(saved) -> int:
-    """The size of what ``save`` wrote: a local checkpoint folder, or a committed manifest."""
-    if isinstance(saved, Path):
-        return sum(f.stat().st_size for f in saved.iterdir())
-    return int(saved.bytes)
