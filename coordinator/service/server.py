@@ -96,7 +96,7 @@ class CoordinatorServer:
         per_caller = self.limits.per_caller()
         workers = max(cfg.server.workers, (cfg.rounds.max_sites + 4) * per_caller + 8)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers),
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc-handler"),
             options=server_options(cfg.server.receive_window_bytes),
         )
         # The port first: a coordinator that cannot listen fails before touching its state.

@@ -1,0 +1,114 @@
+"""CPU seconds of processes' threads, sampled from ``/proc``: what each thread (by its native
+name) spent, and when, so a run's CPU can be split by phase afterwards.
+
+The counters are the kernel's own (user + system ticks), so they do not depend on what else
+the machine runs; sampling only decides which window a tick is put in.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_times(pid: int) -> dict[tuple[int, str], float]:
+    """``(tid, name) -> CPU seconds`` of each live thread of ``pid`` (empty once it is gone)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[(int(tid), name)] = (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
+def group_of(name: str) -> str:
+    """The part of the process a thread name belongs to (``fold_0`` -> ``fold``)."""
+    for prefix, group in GROUPS:
+        if name.startswith(prefix):
+            return group
+    return "other"
+
+
+GROUPS = (
+    ("fold", "fold"),
+    ("theta-hash", "publish hash"),
+    ("theta-blocks", "publish hash"),
+    ("checkpoint", "checkpoint"),
+    ("ckpt", "checkpoint"),
+    ("ThreadPoolExec", "grpc handlers"),
+    ("grpc-", "grpc handlers"),
+    ("event_engine", "grpc core"),
+    ("grpc_", "grpc core"),
+    ("default-execut", "grpc core"),
+    ("resolver", "grpc core"),
+    ("timer_manager", "grpc core"),
+    ("wan", "wan worker"),
+)
+
+
+class Sampler:
+    """Samples ``pids`` every ``period_s`` on a thread of its own until ``stop``."""
+
+    def __init__(self, period_s: float = 0.05) -> None:
+        self.period_s = period_s
+        self.pids: dict[str, int] = {}  # role -> pid
+        self.series: dict[str, list[tuple[float, dict]]] = defaultdict(list)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def watch(self, role: str, pid: int) -> None:
+        self.pids[role] = pid
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._take()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._take()
+
+    def _take(self) -> None:
+        now = time.time()
+        for role, pid in list(self.pids.items()):
+            times = thread_times(pid)
+            if times:
+                self.series[role].append((now, times))
+
+    def cpu(self, role: str, start: float, end: float, group: str | None = None) -> float:
+        """CPU seconds ``role``'s threads (of ``group``, or all) spent in ``[start, end]``,
+        from the samples nearest each end."""
+        samples = self.series.get(role, [])
+        if not samples:
+            return 0.0
+        walls = [w for w, _ in samples]
+        a = samples[max(0, bisect.bisect_left(walls, start) - 1)][1]
+        b = samples[min(len(samples) - 1, bisect.bisect_left(walls, end))][1]
+        total = 0.0
+        for key, seconds in b.items():
+            if group is None or group_of(key[1]) == group:
+                total += seconds - a.get(key, 0.0)
+        return total
+
+    def by_group(self, role: str, start: float, end: float) -> dict[str, float]:
+        """CPU seconds per thread group of ``role`` in ``[start, end]``."""
+        samples = self.series.get(role, [])
+        names = {group_of(k[1]) for _, times in samples for k in times}
+        return {g: self.cpu(role, start, end, g) for g in sorted(names)}
