@@ -99,7 +99,7 @@ class Sampler:
         if not samples:
             return 0.0
         walls = [w for w, _ in samples]
-        a = samples[max(0, bisect.bisect_left(walls, start) - 1)][1]
+        a = samples[max(0, bisect.bisect_right(walls, start) - 1)][1]
         b = samples[min(len(samples) - 1, bisect.bisect_left(walls, end))][1]
         total = 0.0
         for key, seconds in b.items():
