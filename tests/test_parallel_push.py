@@ -208,10 +208,13 @@ def _refused(call, code, words: str) -> None:
 
 
 def test_bad_pieces_are_refused_and_change_nothing(coord, pki):
+    c = client(coord.address, pki, 1)  # the round the module's other tests left open
+    r = c.fetch().version
+    c.close()
     _, payload = update(2)
-    raw = RawPusher(coord, pki, 2, payload, "bad-pieces")
-    total = payload.total_bytes
+    raw = RawPusher(coord, pki, r, payload, "bad-pieces")
     before = standing(coord, pki)
+    total = payload.total_bytes
     try:
         assert raw.push(reserve=True).granted
         assert raw.push((0, 4 * MB), [(0, MB)]).acked_offset == MB
