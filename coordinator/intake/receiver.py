@@ -30,7 +30,7 @@ from coordinator.intake.uploads import (
     UploadTable,
     check_update_manifest,
 )
-from coordinator.persist.disk import disk_refusal
+from coordinator.persist.disk import DISK_FULL, disk_refusal
 from coordinator.records import Admission, PushHeader, Refused
 from coordinator.round.round_tensors import RoundTensors
 from strategies.base import all_finite
@@ -90,9 +90,15 @@ class UpdateIntake:
         except UploadBusy as exc:
             raise Refused("busy", str(exc)) from exc
         except OSError as exc:
-            raise disk_refusal(exc, f"opening upload {header.upload_id}") from exc
+            raise self._disk_refusal(exc, f"opening upload {header.upload_id}") from exc
         upload.admission = admission
         return upload
+
+    def _disk_refusal(self, exc: OSError, what: str) -> Refused:
+        """The retryable refusal; a full disk first gets the spool's spare files back."""
+        if exc.errno in DISK_FULL:
+            self.spool.release_free()
+        return disk_refusal(exc, what)
 
     def write(self, upload: Upload, offset: int, data: bytes, piece: Piece | None = None) -> None:
         """One chunk of a stream carrying ``piece`` (None: the whole payload)."""
@@ -104,7 +110,7 @@ class UpdateIntake:
             log.error("upload %s from %s: %s", upload.upload_id, upload.site, exc)
             if upload.file.broken:  # could not cut it back: start this upload again
                 self.uploads.discard(upload)
-            raise disk_refusal(exc, f"receiving upload {upload.upload_id}") from exc
+            raise self._disk_refusal(exc, f"receiving upload {upload.upload_id}") from exc
 
     def verify(self, upload: Upload) -> float | None:
         """Check a complete upload; its L2 norm when norms are measured. A refused upload's
@@ -138,7 +144,7 @@ class UpdateIntake:
             raise Refused("corrupt", f"update from {upload.site} refused: {exc}") from exc
         except OSError as exc:  # the upload stays complete: a retried header commits it
             log.error("committing upload %s from %s: %s", upload.upload_id, upload.site, exc)
-            raise disk_refusal(exc, f"committing upload {upload.upload_id}") from exc
+            raise self._disk_refusal(exc, f"committing upload {upload.upload_id}") from exc
         return spooled
 
 

@@ -22,6 +22,15 @@ aside into ``damaged/`` (kept as evidence, and as the record that its site is as
 again) rather than deleted.
 
 The fsyncs of an update happen outside the coordinator's lock (see ``coordinator.core``).
+
+Files are reused rather than deleted: once a round's checkpoint is durable its spooled files
+move into ``free/``, and the next uploads write over them (``take_free``). Writing into pages
+the page cache already holds costs a fraction of filling new ones (measured here: 0.1 against
+0.2-2.3 CPU s per GB, the high end where the host had taken freed memory back), and the
+receive path is otherwise one copy and one digest per byte. A reused file's old bytes are
+never trusted: an upload's range log says what arrived (``coordinator.intake.upload_bytes``).
+The pool holds at most as many files as the round it was filled from had; a full disk empties
+it (``release_free``).
 """
 
 from __future__ import annotations
@@ -47,7 +56,9 @@ from wire.tensors import Manifest, TensorEntry, entries_from_json, entries_to_js
 ROUND_FILE = "_round.json"
 CLOSE_FILE = "_close.json"
 DAMAGED_DIR = "damaged"
+FREE_DIR = "free"  # not a round folder: its files are spare space, never read
 _scratch = threading.local()
+_free_lock = threading.Lock()
 
 
 class SpoolError(Exception):
@@ -268,6 +279,53 @@ class UpdateSpool:
         return json.loads(path.read_text()) if path.exists() else None
 
     def drop_rounds_before(self, round_number: int) -> None:
-        for d in self.root.glob("round-*"):
-            if int(d.name.removeprefix("round-")) < round_number:
-                shutil.rmtree(d, ignore_errors=True)
+        """Delete the folders of rounds before ``round_number``; their update files go to
+        the free pool first, for the next uploads to write over."""
+        dropped = [
+            d
+            for d in self.root.glob("round-*")
+            if int(d.name.removeprefix("round-")) < round_number
+        ]
+        spare = [f for d in dropped for f in (*d.glob("*.update"), *d.glob("*.part"))]
+        if spare:
+            self._refill(spare)
+        for d in dropped:
+            shutil.rmtree(d, ignore_errors=True)
+
+    @property
+    def free_dir(self) -> Path:
+        return self.root / FREE_DIR
+
+    def _refill(self, spare: list[Path]) -> None:
+        """Make ``spare`` the free pool: the files already there go (older, and as many as
+        the newest round needs is enough)."""
+        free = self.free_dir
+        free.mkdir(exist_ok=True)
+        for old in free.iterdir():
+            old.unlink(missing_ok=True)
+        for i, f in enumerate(spare):
+            try:
+                os.replace(f, free / f"{i:06d}.spare")
+            except OSError:
+                f.unlink(missing_ok=True)
+
+    def take_free(self, target: Path) -> bool:
+        """Move a file of the free pool to ``target`` (which must not exist); False when the
+        pool is empty. Its bytes are stale: only its pages are wanted."""
+        with _free_lock:
+            try:
+                names = sorted(os.listdir(self.free_dir))
+            except FileNotFoundError:
+                return False
+            for name in names:
+                try:
+                    os.replace(self.free_dir / name, target)
+                    return True
+                except FileNotFoundError:
+                    continue
+        return False
+
+    def release_free(self) -> None:
+        """Give the free pool's disk space back (the disk is full)."""
+        with _free_lock:
+            shutil.rmtree(self.free_dir, ignore_errors=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from coordinator.persist.disk import PartFile, RangeLog
@@ -77,16 +78,24 @@ class UploadBytes:
     """
 
     def __init__(
-        self, path: Path, total_bytes: int, sha256: bytes, parts: tuple[PayloadPart, ...] = ()
+        self,
+        path: Path,
+        total_bytes: int,
+        sha256: bytes,
+        parts: tuple[PayloadPart, ...] = (),
+        reuse: Callable[[Path], bool] | None = None,
     ) -> None:
         self.total_bytes, self.expected_sha256, self.parts = total_bytes, sha256, parts
         self.log = RangeLog(path.with_suffix(".ranges"))
+        new = not self.log.exists() and not path.exists()
         self.ranges = ReceivedRanges(self._restore(path))
         # The end of each range a record of this coordinator's holds -> (record, its start):
         # the next chunk of a stream grows its record instead of adding one.
         self._records: dict[int, tuple[int, int]] = {}
         spans = self.ranges.spans
-        self.file = PartFile(path, spans[-1][1] if spans else 0)  # nothing past the last one
+        reused = new and reuse is not None and self._reuse(path, reuse)
+        # Nothing past the last range received (a reused file's stale bytes are written over).
+        self.file = PartFile(path, spans[-1][1] if spans else 0, keep_pages=reused)
         self._lock = threading.Lock()
         self._hasher = hashlib.sha256()
         self.hashed = 0  # the hash covers bytes [0, hashed)
@@ -110,6 +119,11 @@ class UploadBytes:
         if size:
             self.log.append(0, size)
         return [(0, size)] if size else []
+
+    def _reuse(self, path: Path, reuse: Callable[[Path], bool]) -> bool:
+        """A spare file as the new upload's ``.part``, its (empty) range log made first."""
+        self.log.create()
+        return reuse(path)
 
     def _hash_from_file(self, end: int) -> None:
         with open(self.file.path, "rb") as f:
@@ -187,6 +201,7 @@ class UploadBytes:
                 digest = self._hasher.copy().digest()
         if digest != self.expected_sha256:
             raise ChunkError("payload SHA-256 mismatch: the data was corrupted in flight")
+        self.file.fit(self.total_bytes)
 
     @property
     def broken(self) -> bool:

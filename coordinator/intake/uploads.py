@@ -120,7 +120,9 @@ class Upload:
         self.manifest, self.weight = manifest, weight
         self.path: Path = spool.part_path(round_number, site, upload_id)
         spool.round_dir(round_number).mkdir(parents=True, exist_ok=True)
-        self.bytes = UploadBytes(self.path, manifest.total_bytes, manifest.sha256, manifest.parts)
+        self.bytes = UploadBytes(
+            self.path, manifest.total_bytes, manifest.sha256, manifest.parts, spool.take_free
+        )
         spans = self.bytes.spans()
         self.screen = ArrivalScreen(manifest, resumed_at=spans[-1][1] if spans else 0)
         # The ranges being received now, one per stream (None: a stream of the whole payload).

@@ -26,6 +26,15 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 STORE_CAP_S = 5.0  # the longest wait between tries of an object store that does not answer
 
 
+def fsync_path_dir(path: Path) -> None:
+    """fsync the folder holding ``path`` (its new entries are then durable)."""
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def disk_refusal(exc: OSError, what: str) -> Refused:
     """The retryable refusal for a write the coordinator's disk did not take."""
     if exc.errno in DISK_FULL:
@@ -74,11 +83,15 @@ def until_written(
 class PartFile:
     """The ``.part`` file of one upload: each chunk written at its offset (``write_at``)."""
 
-    def __init__(self, path: Path, length: int) -> None:
+    def __init__(self, path: Path, length: int, keep_pages: bool = False) -> None:
+        """``keep_pages``: ``path`` is a reused file (``UpdateSpool.take_free``) whose bytes
+        are written over, not cut away first (cutting would drop the pages it is reused
+        for); its stale bytes past ``length`` are never read as received (the range log)."""
         self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        self.length = length  # the file's size: the end of the last range received
-        os.ftruncate(self._fd, length)  # whatever lay past the acknowledged bytes goes
+        self.length = length  # the end of the last range received
+        if not keep_pages:
+            os.ftruncate(self._fd, length)  # whatever lay past the acknowledged bytes goes
 
     @property
     def closed(self) -> bool:
@@ -108,6 +121,11 @@ class PartFile:
             # then starts the upload again from byte 0).
             self.length = -1
             raise
+
+    def fit(self, total: int) -> None:
+        """Cut what a reused file holds past the payload's ``total`` bytes (all received)."""
+        if os.fstat(self._fd).st_size > total:
+            os.ftruncate(self._fd, total)
 
     @property
     def broken(self) -> bool:
@@ -151,11 +169,20 @@ class RangeLog:
         self.close()
         self.path.unlink(missing_ok=True)
 
-    def append(self, offset: int, length: int) -> int:
-        """Record the range; returns the record's number (for ``extend``)."""
+    def create(self) -> None:
+        """Make the (empty) log now, before its ``.part`` file exists: a reused file's stale
+        bytes must never look like bytes an older coordinator received without a log."""
+        self._open()
+        fsync_path_dir(self.path)
+
+    def _open(self) -> None:
         if self._fd < 0:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
             self.length = os.fstat(self._fd).st_size
+
+    def append(self, offset: int, length: int) -> int:
+        """Record the range; returns the record's number (for ``extend``)."""
+        self._open()
         try:
             self._write(self.length, offset, length)
         except OSError:
