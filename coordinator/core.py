@@ -53,6 +53,7 @@ from coordinator.round.counting import UpdateCounter
 from coordinator.round.downlink import Downlink
 from coordinator.round.driver import RoundDriver
 from coordinator.round.round_tensors import RoundTensors
+from coordinator.round.spare_buffer import SpareBuffer
 from coordinator.service import heap
 from coordinator.service.send_slots import SendSlots
 from strategies import RobustAggregator, load_strategy
@@ -88,7 +89,10 @@ class CoordinatorCore:
         self.stopping = threading.Event()
         self.writer = CheckpointWriter(self.store, self.stopping)
         self._folder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fold")
-        self.theta_files = ThetaFiles(cfg.state_dir / "theta", self._folder, self.stopping)
+        self.spare = SpareBuffer()  # each round's sum, kept for the next (round.spare_buffer)
+        self.theta_files = ThetaFiles(
+            cfg.state_dir / "theta", self._folder, self.stopping, self.spare.keep
+        )
         self._stopping, self.new_job = False, False  # new_job: recovery.load tells
         self.state, self.data, self.trainable = recovery.load(self)
         # With [streaming]: the fragment each round syncs (a plan that cannot be made stops
@@ -236,7 +240,7 @@ class CoordinatorCore:
             return None
         s = self.state
         names = self.tensors.names(s.round.number)
-        running = start_sum(s.theta, names, self._folder, slots)
+        running = start_sum(s.theta, names, self._folder, slots, self.spare)
         for key, update in s.accepted.items():
             alpha = update.weight * self.aggregator.clip_scale(s.norms.get(key))
             running.offer(self.data.slot_of(key), key, update, alpha)

@@ -24,6 +24,7 @@ from coordinator.persist.theta_file import (
 )
 from coordinator.persist.theta_writer import ThetaFiles
 from coordinator.records import FatalError
+from coordinator.round.spare_buffer import holders
 from strategies.diloco import DiLoCo
 from strategies.fedavg import FedAvg
 from wire.safetensors_io import file_state_hash, write_tensors
@@ -216,7 +217,9 @@ def test_after_a_close_theta_is_served_from_its_file_and_the_buffer_is_gone(tmp_
         served = b"".join(bytes(c) for _, c in core.published.payload.chunks(1 << 16))
         assert hashlib.sha256(served).digest() == core.published.manifest.sha256
         gc.collect()
-        assert buffer() is None  # theta_1's buffer was the round's sum; nothing keeps it
+        # theta_1's buffer was the round's sum: only the spare keeps it, for the next sum.
+        assert buffer() is not None and buffer() is core.spare.held
+        assert holders(core.spare.held) == 1
         # The checkpoint of round 1 holds the very same file.
         core.writer.wait()
         ckpt = tmp_path / "state" / "checkpoints" / "round-00000001" / "theta.safetensors"

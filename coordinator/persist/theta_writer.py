@@ -43,8 +43,16 @@ class ThetaFiles:
         Gives up waiting for disk space (``coordinator.persist.disk.until_written``).
     """
 
-    def __init__(self, folder: Path, worker: ThreadPoolExecutor, stopping: threading.Event):
+    def __init__(
+        self,
+        folder: Path,
+        worker: ThreadPoolExecutor,
+        stopping: threading.Event,
+        let_go: Callable[[torch.Tensor], None] | None = None,
+    ):
         self.folder, self._worker, self._stopping = Path(folder), worker, stopping
+        # Given theta's buffer once its file serves it (``coordinator.round.spare_buffer``).
+        self._let_go = let_go
         self.current: ThetaFile | None = None
         self._pending: Future | None = None
 
@@ -77,18 +85,27 @@ class ThetaFiles:
             self._pending = self._worker.submit(same)
             return self._pending
 
+        held = [theta]  # the job lets go of theta's views before handing its buffer on
+
         def job() -> ThetaFile:
-            digest = theta.manifest.sha256
+            served = held.pop()
             file = until_written(
-                lambda: write_theta_file(self.folder, version, theta.tensors, digest),
+                functools.partial(
+                    write_theta_file, self.folder, version, served.tensors, served.manifest.sha256
+                ),
                 f"writing theta_{version} to {self.folder}",
                 self._stopping,
             )
             self.current = file  # the previous one closes with its last reader
             then(file)
             clear_theta_files(self.folder, keep=file.path)
+            buffer = served.buffer
+            del served
+            if self._let_go is not None:
+                self._let_go(buffer)
             return file
 
+        del theta
         self._pending = self._worker.submit(job)
         self._pending.add_done_callback(_report)
         return self._pending

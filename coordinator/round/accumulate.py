@@ -26,6 +26,7 @@ import torch
 
 from coordinator.intake.spool import SpooledUpdate, read_entry, read_into
 from coordinator.records import UpdateKey
+from coordinator.round.spare_buffer import SpareBuffer
 from wire.tensors import entry_tensor
 from wire.theta import ThetaBuffer
 
@@ -80,18 +81,24 @@ def fold_order(slots: Sequence[str], filled: Mapping[str, UpdateKey], tail) -> l
 
 
 def start_sum(
-    theta: ThetaBuffer, trainable: Sequence[str], worker: ThreadPoolExecutor, slots: Sequence[str]
+    theta: ThetaBuffer,
+    trainable: Sequence[str],
+    worker: ThreadPoolExecutor,
+    slots: Sequence[str],
+    spare: SpareBuffer | None = None,
 ) -> StreamingMean:
     """A zero sum for a round that opens, allocated when the first update is folded (not while
     theta_r may still be in memory, on its way to its file). When every trainable tensor is
     float32 the sum lives in a buffer laid out like theta, so that theta_{r+1} can be written
-    over it in place. Only theta's layout is kept, never its tensors."""
+    over it in place: the ``spare`` buffer, when the last one is free, else new memory. Only
+    theta's layout is kept, never its tensors."""
     manifest = replace(theta.manifest, sha256=b"\0" * 32)
     names = list(trainable)
     if all(theta.tensors[n].dtype == torch.float32 for n in names):
+        spare = spare or SpareBuffer()
 
         def zeros():
-            buffer = ThetaBuffer.on(manifest, torch.zeros(manifest.total_bytes, dtype=torch.uint8))
+            buffer = ThetaBuffer.on(manifest, spare.zeros(manifest.total_bytes))
             return {n: buffer.tensors[n] for n in names}, buffer
 
     else:
