@@ -13,7 +13,7 @@ import pytest
 from bench.dataplane.floor import PassFloor, TlsFloor, pass_floor
 from bench.dataplane.report import Figures
 from bench.dataplane.run import JobRun, Phase
-from bench.dataplane.sampler import Sampler, group_of, thread_times
+from bench.dataplane.sampler import PROCESS, Sampler, group_of, thread_times
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,17 +21,19 @@ REPO = Path(__file__).resolve().parent.parent
 def test_cpu_in_a_window_is_the_difference_of_the_samples_around_it():
     s = Sampler()
     s.series["c"] = [
-        (10.0, {(1, "fold_0"): 1.0, (2, "grpc-handler_0"): 5.0}),
-        (11.0, {(1, "fold_0"): 1.5, (2, "grpc-handler_0"): 6.0}),
-        (12.0, {(1, "fold_0"): 3.0, (2, "grpc-handler_0"): 6.0, (3, "checkpoint_0"): 0.5}),
+        (10.0, {PROCESS: 6.0, (1, "fold_0"): 1.0, (2, "grpc-handler_0"): 5.0}),
+        (11.0, {PROCESS: 7.5, (1, "fold_0"): 1.5, (2, "grpc-handler_0"): 6.0}),
+        # A gRPC thread that lived between the samples spent 0.25 s: only the total knows.
+        (12.0, {PROCESS: 9.75, (1, "fold_0"): 3.0, (2, "grpc-handler_0"): 6.0, (3, "ckpt"): 0.5}),
     ]
     # The samples enclosing the window: 10.0 and 12.0.
-    assert s.cpu("c", 10.5, 11.5) == pytest.approx((3.0 - 1.0) + (6.0 - 5.0) + 0.5)
+    assert s.cpu("c", 10.5, 11.5) == pytest.approx(3.75)
     assert s.cpu("c", 11.0, 12.0, "fold") == pytest.approx(1.5)
     assert s.by_group("c", 10.0, 12.0) == {
         "checkpoint": pytest.approx(0.5),
         "fold": pytest.approx(2.0),
         "grpc handlers": pytest.approx(1.0),
+        "exited threads": pytest.approx(0.25),
     }
     assert s.cpu("nobody", 0, 1) == 0.0
 

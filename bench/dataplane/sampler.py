@@ -17,21 +17,30 @@ from pathlib import Path
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+PROCESS = (0, "")  # the key of the whole process's CPU: its threads', live or gone
+
+
+def _stat_cpu(path: str) -> tuple[str, float]:
+    stat = Path(path).read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return stat[stat.index("(") + 1 : stat.rindex(")")], (int(fields[11]) + int(fields[12])) / TICK
+
+
 def thread_times(pid: int) -> dict[tuple[int, str], float]:
-    """``(tid, name) -> CPU seconds`` of each live thread of ``pid`` (empty once it is gone)."""
-    out = {}
+    """``(tid, name) -> CPU seconds`` of each live thread of ``pid``, and under ``PROCESS``
+    the whole process's (which keeps the CPU of threads that have exited: gRPC's own pools
+    start and retire threads); empty once it is gone."""
     try:
+        out = {PROCESS: _stat_cpu(f"/proc/{pid}/stat")[1]}
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return out
+        return {}
     for tid in tids:
         try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            name, seconds = _stat_cpu(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        out[(int(tid), name)] = (int(fields[11]) + int(fields[12])) / TICK
+        out[(int(tid), name)] = seconds
     return out
 
 
@@ -101,14 +110,21 @@ class Sampler:
         walls = [w for w, _ in samples]
         a = samples[max(0, bisect.bisect_right(walls, start) - 1)][1]
         b = samples[min(len(samples) - 1, bisect.bisect_left(walls, end))][1]
+        if group is None:
+            return b.get(PROCESS, 0.0) - a.get(PROCESS, 0.0)
         total = 0.0
         for key, seconds in b.items():
-            if group is None or group_of(key[1]) == group:
+            if key != PROCESS and group_of(key[1]) == group:
                 total += seconds - a.get(key, 0.0)
         return total
 
     def by_group(self, role: str, start: float, end: float) -> dict[str, float]:
-        """CPU seconds per thread group of ``role`` in ``[start, end]``."""
+        """CPU seconds per thread group of ``role`` in ``[start, end]``; what threads that
+        exited meanwhile spent is ``exited threads``."""
         samples = self.series.get(role, [])
-        names = {group_of(k[1]) for _, times in samples for k in times}
-        return {g: self.cpu(role, start, end, g) for g in sorted(names)}
+        names = {group_of(k[1]) for _, times in samples for k in times if k != PROCESS}
+        out = {g: self.cpu(role, start, end, g) for g in sorted(names)}
+        gone = self.cpu(role, start, end) - sum(out.values())
+        if gone > 0:
+            out["exited threads"] = gone
+        return out
