@@ -219,10 +219,12 @@ class ServerConfig:
         None,
         check=non_negative,
         help="uploads received at once (``coordinator.intake.receive_slots``; the K streams of "
-        "an upload sent in pieces share its slot): the others wait their turn, in fold order, "
-        "so their windows are not held in memory. Unset: sized from the model, as many "
-        "windows as fit in a quarter of an update's float32 bytes, 2 to 8 (logged at start). "
-        "0: no limit",
+        "an upload sent in pieces share its slot). A site asks for a receive slot (a "
+        "header-only push) before it sends, and waiting uploads are granted in the round's fold "
+        "order, so the running sum folds each as it arrives and memory for uploads is this many "
+        "windows whatever the number of sites; an unused grant lapses after 10 s. Unset: sized "
+        "from the model, as many windows as fit in a quarter of an update's float32 bytes, 2 to "
+        "8 (logged at start). 0: no limit",
     )
     concurrent_fetches: int = setting(
         8,
