@@ -12,8 +12,9 @@ written once (read by ``wire.config_table.load_table``): ``[model]`` in
 ``coordinator.data.speculation``, ``[compression]`` in ``wire.codecs.rules``, ``[events]`` in
 ``coordinator.events.segments``, ``[evaluation]`` in ``coordinator.observe.evaluation``,
 ``[streaming]`` in ``wire.fragments``, ``[health]`` in ``wire.health``, ``[storage]`` in
-``coordinator.persist.open_store`` and ``[transfer]`` in ``wire.transfer``. The rest are here,
-with the rules that span tables.
+``wire.objstore.config`` and ``[transfer]`` in ``wire.transfer``. The rest are here, with the
+rules that span tables. Each field's ``help=`` is its entry in the configuration reference
+(``coordinator.config_reference``).
 
 With ``[streaming]`` (P fragments) each coordinator round syncs one fragment and covers
 ``H / P`` inner steps, so ``JobConfig.rounds`` holds the *effective* rounds: ``total * P``
