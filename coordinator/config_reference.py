@@ -38,8 +38,6 @@ from wire.health import HealthConfig
 from wire.objstore.config import StorageConfig
 from wire.transfer import TransferConfig
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @dataclass(frozen=True)
 class Table:
