@@ -4,8 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
+export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: demo test test-slow lint format proto clean chromium etcd
+.PHONY: demo test test-slow lint format docs proto clean chromium etcd
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +22,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e '.[dev,examples,flower,s3,ha]'
+	$(BIN)/python -m pip install -q -e '.[dev,examples,flower,s3,ha,docs]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -45,7 +46,13 @@ etcd:
 test: $(VENV)/.dev chromium etcd
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/python -m pytest -q -m "not slow" -n 2
+
+# The docs site, into site/: two reference pages are generated from the code (docs/hooks.py);
+# a broken link or anchor fails the build.
+docs: $(VENV)/.dev
+	$(BIN)/mkdocs build --strict
 
 # The slow tests: the whole fault matrix and more (71 tests, 26-30 minutes on 2 cores); `python -m bench.chaos` runs
 # the same scenarios and prints the summary figures.
@@ -66,4 +73,4 @@ proto: $(VENV)/.dev
 		wire/proto/isthmus.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache

@@ -12,8 +12,9 @@ written once (read by ``wire.config_table.load_table``): ``[model]`` in
 ``coordinator.data.speculation``, ``[compression]`` in ``wire.codecs.rules``, ``[events]`` in
 ``coordinator.events.segments``, ``[evaluation]`` in ``coordinator.observe.evaluation``,
 ``[streaming]`` in ``wire.fragments``, ``[health]`` in ``wire.health``, ``[storage]`` in
-``coordinator.persist.open_store`` and ``[transfer]`` in ``wire.transfer``. The rest are here,
-with the rules that span tables.
+``wire.objstore.config`` and ``[transfer]`` in ``wire.transfer``. The rest are here, with the
+rules that span tables. Each field's ``help=`` is its entry in the configuration reference
+(``coordinator.config_reference``).
 
 With ``[streaming]`` (P fragments) each coordinator round syncs one fragment and covers
 ``H / P`` inner steps, so ``JobConfig.rounds`` holds the *effective* rounds: ``total * P``
@@ -164,8 +165,13 @@ DATA_MODES = ("federated", "shared")
 class JobTable:
     """The ``[job]`` table; ``JobConfig`` carries its two keys at the top level."""
 
-    name: str = setting(check=non_empty)
-    state_dir: Path = setting(Path("state"), check=non_empty)
+    name: str = setting(check=non_empty, help="the job's name; a state folder belongs to one job")
+    state_dir: Path = setting(
+        Path("state"),
+        check=non_empty,
+        help="the coordinator's folder (relative to the config's): checkpoints and start epoch "
+        "(unless ``storage.url`` is set), spooled updates, the event log",
+    )
 
 
 @dataclass(frozen=True)
@@ -173,34 +179,74 @@ class StrategyConfig:
     """The ``[strategy]`` table: a built-in's name or ``package.module:Class``; every other key
     is passed to the strategy, which checks its own parameters."""
 
-    name: str = setting("diloco", check=non_empty)
-    params: dict[str, Any] = setting(factory=dict, rest=True)
+    name: str = setting(
+        "diloco",
+        check=non_empty,
+        help="a built-in (``diloco``, ``fedavg``, ``fedavgm``, ``fedadam``, ``fedyogi``, "
+        "``fedadagrad``), ``flower:ClassName`` (Flower's ``flwr.server.strategy``), "
+        "``flower:serverapp.ClassName`` (``flwr.serverapp.strategy``; both need the ``flower`` "
+        "extra) or ``package.module:Class`` (your own ``strategies.Strategy`` or Flower "
+        "Message-API strategy)",
+    )
+    params: dict[str, Any] = setting(
+        factory=dict,
+        rest=True,
+        help="every other key of the table: the strategy's parameters (for a built-in, see "
+        "the strategies' tables below; for Flower, the constructor's keyword arguments)",
+    )
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """The ``[server]`` table: where the coordinator listens and what one RPC may bring."""
 
-    listen: str = setting("127.0.0.1:7070", check=check_listen)
-    max_update_bytes: int = setting(8 << 30, check=positive)
-    workers: int = setting(32, check=positive)
-    # What one push stream may have in flight towards the coordinator (its HTTP/2 window):
-    # the memory each concurrent upload can hold, and (divided by the RTT) the most one
-    # stream can upload per second. 0: gRPC sizes it from its bandwidth-delay estimate, which
-    # on a busy coordinator grows to tens of MiB per stream.
-    receive_window_bytes: int = setting(8 << 20, check=non_negative)
-    # Uploads received at once (``coordinator.intake.receive_slots``): the others wait their turn,
-    # in fold order, so their windows are not held in memory. Unset: sized from the model
-    # (``upload_slots``: 2 to 8). 0: no limit.
-    concurrent_uploads: int | None = setting(None, check=non_negative)
-    # Fetch streams sent at once (``coordinator.service.send_slots``): the others wait their turn,
-    # so their chunks in flight are not held in memory. 0: no limit.
-    concurrent_fetches: int = setting(8, check=non_negative)
-    # How long a call's request message may take to arrive once the call is open, and how
-    # long a stream may then sit between messages (a push waits, before its last chunk, for
-    # the site's checkpoint). A call past either is cancelled: it frees its worker.
-    request_timeout_s: float = setting(10.0, check=positive)
-    stream_idle_s: float = setting(600.0, check=positive)
+    listen: str = setting(
+        "127.0.0.1:7070",
+        check=check_listen,
+        help="``HOST:PORT`` to listen on (port 0 picks a free one, written to "
+        "``state_dir/address``); ``serve --listen`` overrides it",
+    )
+    max_update_bytes: int = setting(8 << 30, check=positive, help="the largest update accepted")
+    workers: int = setting(32, check=positive, help="gRPC worker threads")
+    receive_window_bytes: int = setting(
+        8 << 20,
+        check=non_negative,
+        help="what one push stream may have in flight towards the coordinator (its HTTP/2 "
+        "window): the memory each concurrent upload can hold, and (divided by the RTT) the most "
+        "one stream can upload per second. 0: gRPC sizes it from its bandwidth-delay estimate, "
+        "which on a busy coordinator grows to tens of MiB per stream",
+    )
+    concurrent_uploads: int | None = setting(
+        None,
+        check=non_negative,
+        help="uploads received at once (``coordinator.intake.receive_slots``; the K streams of "
+        "an upload sent in pieces share its slot). A site asks for a receive slot (a "
+        "header-only push) before it sends, and waiting uploads are granted in the round's fold "
+        "order, so the running sum folds each as it arrives and memory for uploads is this many "
+        "windows whatever the number of sites; an unused grant lapses after 10 s. Unset: sized "
+        "from the model, as many windows as fit in a quarter of an update's float32 bytes, 2 to "
+        "8 (logged at start). 0: no limit",
+    )
+    concurrent_fetches: int = setting(
+        8,
+        check=non_negative,
+        help="fetch streams sent at once (``coordinator.service.send_slots``; a fetch over K "
+        "streams takes up to K): the others wait their turn, first come first served, so "
+        "their chunks in flight are not held in memory, and are answered ``UNAVAILABLE`` if "
+        "none frees within 30 s. 0: no limit",
+    )
+    request_timeout_s: float = setting(
+        10.0,
+        check=positive,
+        help="how long a call's request message may take to arrive once the call is open; a "
+        "call past it is cancelled, freeing its worker",
+    )
+    stream_idle_s: float = setting(
+        600.0,
+        check=positive,
+        help="how long a stream may sit between messages (a push waits, before its last "
+        "chunk, for the site's checkpoint) before it is cancelled",
+    )
 
 
 @dataclass(frozen=True)
@@ -209,7 +255,12 @@ class DataConfig:
     into the next round as the strategy says. ``shared`` (pretraining): the coordinator hands
     out data units each round, backs up stragglers' units and commits each unit once."""
 
-    mode: str = setting("federated", check=one_of(DATA_MODES))
+    mode: str = setting(
+        "federated",
+        check=one_of(DATA_MODES),
+        help="``federated``: each site trains on its own data; ``shared`` (pretraining): the "
+        "coordinator hands out data units each round and backs up stragglers",
+    )
 
 
 @dataclass(frozen=True)

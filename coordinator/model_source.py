@@ -55,7 +55,7 @@ def import_hint(
 
 
 def factory_spec(v: str) -> str | None:
-    """A ``model.factory`` names a function in a module: both halves of ``module:function``."""
+    """expected ``package.module:function``, a function in a module, both named"""
     module_name, _, function = v.partition(":")
     if module_name.strip() and function.strip():
         return None
@@ -67,10 +67,23 @@ class ModelConfig:
     """The ``[model]`` table: theta_0 from ``factory(**kwargs)`` seeded with ``seed``, or read
     from the safetensors file at ``path``."""
 
-    factory: str | None = setting(None, check=(non_empty, factory_spec))
-    path: Path | None = setting(None, check=non_empty)
-    seed: int = 0
-    kwargs: dict[str, Any] = setting(factory=dict)
+    factory: str | None = setting(
+        None,
+        check=(non_empty, factory_spec),
+        help="``package.module:function`` returning the ``nn.Module`` whose parameters are "
+        "theta_0 (importable from the working directory or ``PYTHONPATH``); exactly one of "
+        "``factory`` and ``path``",
+    )
+    path: Path | None = setting(
+        None,
+        check=non_empty,
+        help="a safetensors file holding theta_0 (relative to the config's folder); exactly one "
+        "of ``factory`` and ``path``",
+    )
+    seed: int = setting(0, help="the torch seed set before the factory runs")
+    kwargs: dict[str, Any] = setting(
+        factory=dict, help="keyword arguments of the factory (``{ d_model = 128 }``)"
+    )
 
     def check(self) -> None:
         """Exactly one source of theta_0: with neither there is none, with both it would be

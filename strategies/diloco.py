@@ -17,16 +17,24 @@ from dataclasses import dataclass
 
 from strategies.base import Aggregate, Strategy, Tensors
 from strategies.momentum import OuterMomentum
+from wire.config_table import setting
 
 
 @dataclass(frozen=True)
 class DiLoCoConfig:
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-    weighted: bool = False
-    # Federated mode: a late update is folded into the next round at this weight (0: dropped).
-    late_discount: float = 0.0
+    lr: float = setting(0.7, help="the outer learning rate (> 0)")
+    momentum: float = setting(0.9, help="the outer momentum mu")
+    nesterov: bool = setting(True, help="Nesterov momentum, as ``torch.optim.SGD(nesterov=True)``")
+    weighted: bool = setting(
+        False,
+        help="weigh updates by the examples the sites report (false: uniformly, every site ran "
+        "the same inner steps)",
+    )
+    late_discount: float = setting(
+        0.0,
+        help="federated mode: a late update is folded into the next round at this weight, in "
+        "[0, 1] (0: dropped)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.late_discount <= 1:

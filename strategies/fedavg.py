@@ -12,13 +12,16 @@ from dataclasses import dataclass
 import torch
 
 from strategies.base import Aggregate, Strategy, Tensors, apply_in_float32
+from wire.config_table import setting
 
 
 @dataclass(frozen=True)
 class FedAvgConfig:
-    server_lr: float = 1.0
-    # A late update is folded into the next round at this weight (0: dropped).
-    late_discount: float = 0.0
+    server_lr: float = setting(1.0, help="scales the averaged step (1.0: plain FedAvg)")
+    late_discount: float = setting(
+        0.0,
+        help="a late update is folded into the next round at this weight, in [0, 1] (0: dropped)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.late_discount <= 1:

@@ -17,25 +17,18 @@ from dataclasses import dataclass
 
 from strategies.base import Aggregate, Strategy, Tensors
 from strategies.momentum import OuterMomentum
+from wire.config_table import setting
 
 
 @dataclass(frozen=True)
 class FedAvgMConfig:
-    """Hyperparameters of FedAvgM.
+    """Hyperparameters of FedAvgM."""
 
-    Attributes
-    ----------
-    server_learning_rate
-        Step size of the server update (1.0 with no momentum is FedAvg).
-    server_momentum
-        Momentum ``mu`` in [0, 1).
-    nesterov
-        Use Nesterov momentum (not in Flower's FedAvgM).
-    """
-
-    server_learning_rate: float = 1.0
-    server_momentum: float = 0.9
-    nesterov: bool = False
+    server_learning_rate: float = setting(
+        1.0, help="step size of the server update (1.0 with no momentum is FedAvg)"
+    )
+    server_momentum: float = setting(0.9, help="momentum ``mu``, in [0, 1)")
+    nesterov: bool = setting(False, help="Nesterov momentum (not in Flower's FedAvgM)")
 
     def __post_init__(self) -> None:
         if not self.server_learning_rate > 0:

@@ -29,6 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from strategies.base import Aggregate, Strategy, Tensors, apply_in_float32
+from wire.config_table import setting
+
+_ETA = "the server learning rate"
+_ETA_L = "the sites' learning rate: informational, it does not enter the server step"
+_BETA_1 = "decay of the first moment, in [0, 1)"
+_BETA_2 = "decay of the second moment, in [0, 1)"
+_TAU = "added to ``sqrt(v)``, > 0: larger is less adaptive (Reddi et al. use 1e-3)"
 
 
 def _check(cfg) -> None:
@@ -46,28 +53,16 @@ def _check(cfg) -> None:
 
 @dataclass(frozen=True)
 class FedAdamConfig:
-    """Hyperparameters of FedAdam; names and defaults are Flower's.
+    """Hyperparameters of FedAdam; names and defaults are Flower's."""
 
-    Attributes
-    ----------
-    eta
-        Server learning rate.
-    eta_l
-        The sites' learning rate: informational, it does not enter the server step.
-    beta_1, beta_2
-        Decay of the first and second moment, in [0, 1).
-    tau
-        Added to ``sqrt(v)``: larger is less adaptive (Reddi et al. use 1e-3).
-    bias_correction
-        Flower's bias-corrected ``eta_t``; false gives Reddi et al.'s constant ``eta``.
-    """
-
-    eta: float = 1e-1
-    eta_l: float = 1e-1
-    beta_1: float = 0.9
-    beta_2: float = 0.99
-    tau: float = 1e-9
-    bias_correction: bool = True
+    eta: float = setting(1e-1, help=_ETA)
+    eta_l: float = setting(1e-1, help=_ETA_L)
+    beta_1: float = setting(0.9, help=_BETA_1)
+    beta_2: float = setting(0.99, help=_BETA_2)
+    tau: float = setting(1e-9, help=_TAU)
+    bias_correction: bool = setting(
+        True, help="Flower's bias-corrected ``eta_t``; false gives Reddi et al.'s constant ``eta``"
+    )
 
     def __post_init__(self) -> None:
         _check(self)
@@ -77,11 +72,11 @@ class FedAdamConfig:
 class FedYogiConfig:
     """Hyperparameters of FedYogi (as FedAdam's, without bias correction; Flower's defaults)."""
 
-    eta: float = 1e-2
-    eta_l: float = 0.0316
-    beta_1: float = 0.9
-    beta_2: float = 0.99
-    tau: float = 1e-3
+    eta: float = setting(1e-2, help=_ETA)
+    eta_l: float = setting(0.0316, help=_ETA_L)
+    beta_1: float = setting(0.9, help=_BETA_1)
+    beta_2: float = setting(0.99, help=_BETA_2)
+    tau: float = setting(1e-3, help=_TAU)
 
     def __post_init__(self) -> None:
         _check(self)
@@ -89,15 +84,14 @@ class FedYogiConfig:
 
 @dataclass(frozen=True)
 class FedAdagradConfig:
-    """Hyperparameters of FedAdagrad (Flower's defaults).
+    """Hyperparameters of FedAdagrad (Flower's defaults)."""
 
-    ``beta_1`` is Reddi et al.'s optional momentum; Flower fixes it at 0, the default here.
-    """
-
-    eta: float = 1e-1
-    eta_l: float = 1e-1
-    tau: float = 1e-9
-    beta_1: float = 0.0
+    eta: float = setting(1e-1, help=_ETA)
+    eta_l: float = setting(1e-1, help=_ETA_L)
+    tau: float = setting(1e-9, help=_TAU)
+    beta_1: float = setting(
+        0.0, help="Reddi et al.'s optional momentum, in [0, 1); Flower fixes it at 0"
+    )
 
     def __post_init__(self) -> None:
         _check(self)

@@ -56,13 +56,35 @@ class AggregationError(StrategyError):
 class AggregationConfig:
     """The ``[aggregation]`` table: how the round's updates are screened and combined."""
 
-    method: str = ct.setting("mean", check=ct.one_of(METHODS))
-    trim_fraction: float = ct.setting(
-        0.2, check=ct.rule(lambda v: 0 <= v < 0.5, "must be in [0, 0.5)")
+    method: str = ct.setting(
+        "mean",
+        check=ct.one_of(METHODS),
+        help="``mean`` (strategy-weighted, streamed: one model of memory), ``median`` or "
+        "``trimmed_mean`` (coordinate-wise, unweighted, need every update at once)",
     )
-    clip_norm: float = ct.setting(0.0, check=ct.non_negative)  # > 0: at most this L2 norm
-    outlier_zscore: float = ct.setting(0.0, check=ct.non_negative)  # > 0: reject outlier norms
-    max_buffer_bytes: int = ct.setting(8 << 30, check=ct.positive)
+    trim_fraction: float = ct.setting(
+        0.2,
+        check=ct.rule(lambda v: 0 <= v < 0.5, "must be in [0, 0.5)"),
+        help="``trimmed_mean`` drops ``int(trim_fraction * n)`` values at each end",
+    )
+    clip_norm: float = ct.setting(
+        0.0,
+        check=ct.non_negative,
+        help="> 0: scale each site's update to at most this L2 norm (over all its tensors)",
+    )
+    outlier_zscore: float = ct.setting(
+        0.0,
+        check=ct.non_negative,
+        help="> 0: reject an update whose norm's modified z-score (0.6745 (norm - median) / "
+        "MAD) exceeds this; needs 3 or more updates; 3.5 is the usual choice",
+    )
+    max_buffer_bytes: int = ct.setting(
+        8 << 30,
+        check=ct.positive,
+        help="refuse to start if median or trimmed mean (about 16 x max_sites x the largest "
+        "tensor) or a strategy that takes every update (the Flower adapters: about 3 x "
+        "max_sites x the model in float32) would buffer more",
+    )
 
     @classmethod
     def from_table(cls, data: Any) -> AggregationConfig:

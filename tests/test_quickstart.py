@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 def quickstart() -> str:
     text = (h.REPO / "README.md").read_text()
-    block = text.split("<!-- quickstart:begin -->")[1].split("<!-- quickstart:end -->")[0]
+    # The markers are pymdownx.snippets sections: the docs' quickstart page includes the block.
+    block = text.split("--8<-- [start:quickstart] -->")[1].split("<!-- --8<-- [end:quickstart]")[0]
     return block.split("```sh\n")[1].split("```")[0]
 
 

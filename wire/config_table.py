@@ -49,6 +49,7 @@ def setting(
     check: Check | Sequence[Check] | None = None,
     required: bool = False,
     rest: bool = False,
+    help: str = "",
 ) -> Any:
     """A dataclass field that carries its config rules.
 
@@ -65,8 +66,11 @@ def setting(
     rest
         This ``dict`` field collects the table's keys that are not fields, instead of their
         being refused: a free-form table such as ``[strategy]``.
+    help
+        What the key means, in a sentence or two: kept in the field's metadata, where the
+        configuration reference (``coordinator.config_reference``) reads it.
     """
-    meta = {"check": check, "required": required, "rest": rest}
+    meta = {"check": check, "required": required, "rest": rest, "help": help}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -197,8 +201,23 @@ def kind_name(kind: type) -> str:
 
 
 def rule(holds: Callable[[Any], bool], problem: str) -> Check:
-    """A check from a predicate and the problem to report when it is false."""
-    return lambda v: None if holds(v) else problem
+    """A check from a predicate and the problem to report when it is false (also what
+    ``describe_check`` says of it)."""
+
+    def check(v: Any) -> str | None:
+        return None if holds(v) else problem
+
+    check.__doc__ = problem
+    return check
+
+
+def describe_check(check: Check | Sequence[Check] | None) -> str:
+    """What a field's rules require, for the configuration reference: each rule's docstring
+    (its first paragraph; ``rule`` makes it the problem the rule reports), joined by ``; ``;
+    empty without rules."""
+    checks = () if check is None else (check,) if callable(check) else check
+    said = (" ".join((c.__doc__ or "").strip().split("\n\n")[0].split()) for c in checks)
+    return "; ".join(text for text in said if text)
 
 
 def one_of(choices: Sequence[Any]) -> Check:
@@ -206,18 +225,22 @@ def one_of(choices: Sequence[Any]) -> Check:
 
 
 def positive(v: float) -> str | None:
+    """must be > 0"""
     return None if v > 0 else "must be > 0"
 
 
 def non_empty(v: str) -> str | None:
+    """must not be empty"""
     return None if v.strip() else "must not be empty"
 
 
 def non_negative(v: float) -> str | None:
+    """must be a finite number >= 0"""
     return None if v >= 0 and v != float("inf") else "must be a finite number >= 0 (0 = off)"
 
 
 def check_listen(v: str) -> str | None:
+    """expected 'HOST:PORT'"""
     host, sep, port = v.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         return "expected 'HOST:PORT' (e.g. '0.0.0.0:7070')"

@@ -43,21 +43,49 @@ PATTERNS = ("strided", "sequential")
 class FragmentRule:
     """One ``[[streaming.rules]]`` entry: tensors whose name matches go to ``fragment``."""
 
-    match: str = setting(check=rule(bool, "must not be empty"))
-    fragment: int = setting(check=rule(lambda v: v >= 0, "must be >= 0"))
+    match: str = setting(
+        check=rule(bool, "must not be empty"),
+        help="an fnmatch pattern on the tensor's name; the first rule that matches wins",
+    )
+    fragment: int = setting(
+        check=rule(lambda v: v >= 0, "must be >= 0"),
+        help="the fragment those tensors sync with (below ``streaming.fragments``)",
+    )
 
 
 @dataclass(frozen=True)
 class StreamingConfig:
     """The ``[streaming]`` table (see the module docstring)."""
 
-    fragments: int = setting(1, check=positive)
-    pattern: str = setting("strided", check=one_of(PATTERNS))
-    delay_steps: int = setting(0, check=rule(lambda v: v >= 0, "must be >= 0"))
-    merge_alpha: float = setting(
-        0.0, check=rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1) (1 would never merge)")
+    fragments: int = setting(
+        1,
+        check=positive,
+        help="P, the fragments that sync in turn, one per coordinator round "
+        "(``rounds.inner_steps % P == 0``)",
     )
-    rules: list = setting(factory=list)
+    pattern: str = setting(
+        "strided",
+        check=one_of(PATTERNS),
+        help="``strided``: block b goes to fragment ``b % P``; ``sequential``: contiguous "
+        "groups of blocks",
+    )
+    delay_steps: int = setting(
+        0,
+        check=rule(lambda v: v >= 0, "must be >= 0"),
+        help="tau, the inner steps after sending a fragment at which its result is merged "
+        "(``tau < rounds.inner_steps / P``)",
+    )
+    merge_alpha: float = setting(
+        0.0,
+        check=rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1) (1 would never merge)"),
+        help="the merge keeps this much of the local model: ``theta_frag <- alpha * "
+        "theta_local + (1 - alpha) * theta_global``",
+    )
+    rules: list = setting(
+        factory=list,
+        help="``[[streaming.rules]]``, tensors to fragments by name before the pattern applies "
+        "(see the next table)",
+    )
     parsed_rules: tuple[FragmentRule, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:

@@ -47,14 +47,32 @@ MEASURES = (("matmul_gflops", "matmul", "GFLOP/s"), ("allreduce_gbps", "all-redu
 class HealthConfig:
     """The ``[health]`` table (see the module docstring)."""
 
-    enabled: bool = setting(True)
-    every_rounds: int = setting(0, check=non_negative)
-    min_fraction: float = setting(
-        0.0, check=rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1) (0: never drain)")
+    enabled: bool = setting(True, help="site health probes (false: none at all)")
+    every_rounds: int = setting(
+        0,
+        check=non_negative,
+        help="probe again before every N-th round (0: only when the trainers start)",
     )
-    drain_on_gpu_errors: bool = setting(True)
-    matmul_size: int = setting(0, check=rule(lambda v: 0 <= v <= 16384, "must be in [0, 16384]"))
-    allreduce_mib: int = setting(0, check=rule(lambda v: 0 <= v <= 4096, "must be in [0, 4096]"))
+    min_fraction: float = setting(
+        0.0,
+        check=rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1) (0: never drain)"),
+        help="drain a site whose matmul rate (or, among sites of several ranks, all-reduce "
+        "bandwidth) is below this fraction of the median of the sites, once three or more "
+        "report",
+    )
+    drain_on_gpu_errors: bool = setting(
+        True, help="drain a site whose probe reports uncorrected GPU ECC errors"
+    )
+    matmul_size: int = setting(
+        0,
+        check=rule(lambda v: 0 <= v <= 16384, "must be in [0, 16384]"),
+        help="n of the n x n matmul timed (0: 4096 on a GPU, 256 on a CPU)",
+    )
+    allreduce_mib: int = setting(
+        0,
+        check=rule(lambda v: 0 <= v <= 4096, "must be in [0, 4096]"),
+        help="MiB all-reduced over the site's ranks (0: 64 on a GPU, 1 on a CPU)",
+    )
 
     def due(self, round_number: int) -> bool:
         """Whether the trainers probe again before ``round_number`` (beyond their start)."""

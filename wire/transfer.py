@@ -43,16 +43,22 @@ class TransferConfig:
     """The ``[transfer]`` table (see the module docstring)."""
 
     streams: int = setting(
-        1, check=rule(lambda v: 1 <= v <= MAX_STREAMS, f"must be in [1, {MAX_STREAMS}]")
+        1,
+        check=rule(lambda v: 1 <= v <= MAX_STREAMS, f"must be in [1, {MAX_STREAMS}]"),
+        help="K, the streams (each on a connection of its own) one large theta fetch or update "
+        "push takes at once; each certificate may then hold 2 K fetch and 2 K push streams",
     )
-    # Whether a site pushes its updates on the connections it keeps (those theta comes down
-    # on), so their TCP windows carry over from round to round: on a host where an idle
-    # connection keeps its window (net.ipv4.tcp_slow_start_after_idle = 0) an update then
-    # fills a long link from its first byte. Off, each upload has connections of its own,
-    # closed after it, and starts from TCP's initial window; the price of keeping them is
-    # memory at the coordinator, which holds about 3 MB for as long as a connection that
-    # carried an update lives (per site and stream: 48 MB for 16 sites of one stream).
-    keep_connections: bool = setting(False)
+    keep_connections: bool = setting(
+        False,
+        help="whether a site pushes its updates on the connections it keeps (those theta comes "
+        "down on), so their TCP windows carry over from round to round: on a host where an "
+        "idle connection keeps its window (``net.ipv4.tcp_slow_start_after_idle = 0``) an "
+        "update then fills a long link from its first byte. Off, each upload has connections "
+        "of its own, closed after it, and starts from TCP's initial window; the price of "
+        "keeping them is memory at the coordinator, which holds about 3 MB for as long as a "
+        "connection that carried an update lives (per site and stream: 48 MB for 16 sites of "
+        "one stream)",
+    )
 
 
 def transfer_from_job(job_config: Mapping[str, Any]) -> TransferConfig:

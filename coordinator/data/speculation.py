@@ -22,14 +22,34 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from wire.config_table import setting
+
 
 @dataclass(frozen=True)
 class SpeculationOptions:
-    enabled: bool = True
-    slow_factor: float = 2.0
-    min_wait_s: float = 10.0
-    behind_fraction: float = 0.5
-    max_backups_per_unit: int = 1
+    """The ``[speculation]`` table (shared-data mode only; see the module docstring)."""
+
+    enabled: bool = setting(True, help="back up straggling data units on idle sites")
+    slow_factor: float = setting(
+        2.0,
+        help="a unit straggles once the round has run this many times the median time this "
+        "round's committed units took (>= 1)",
+    )
+    min_wait_s: float = setting(
+        10.0,
+        help="a straggling unit (not a suspected holder's) gets a backup only once the round "
+        "has run this long (>= 0)",
+    )
+    behind_fraction: float = setting(
+        0.5,
+        help="a unit straggles when the furthest of its holders is below this fraction of the "
+        "median inner step of the other sites still training (in [0, 1])",
+    )
+    max_backups_per_unit: int = setting(
+        1,
+        help="the most backup copies of one unit (>= 1; set ``enabled = false`` to turn "
+        "speculation off)",
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):

@@ -36,8 +36,18 @@ class EventsConfig:
 
     # About 8 KB of events per round with 32 sites: some 2,000 rounds per segment, which gzip
     # makes about a quarter of that on disk (hashes do not compress).
-    rotate_bytes: int = setting(16 << 20, check=non_negative)  # 0: the live file is never cut
-    keep_segments: int = setting(16, check=positive)
+    rotate_bytes: int = setting(
+        16 << 20,
+        check=non_negative,
+        help="after a checkpoint, an event log (``state_dir/events.jsonl``) of this size or "
+        "more moves to a gzip segment ``state_dir/events/events-<first seq>-<last "
+        "seq>.jsonl.gz`` and starts again. 0: never",
+    )
+    keep_segments: int = setting(
+        16,
+        check=positive,
+        help="segments kept; beyond that the oldest go (history then starts at the oldest kept)",
+    )
 
 
 def should_rotate(size: int, first_seq: int | None, rotate_bytes: int) -> bool:

@@ -204,14 +204,31 @@ class TimeoutsConfig:
     sooner than its lease expires, later on a jittery link.
     """
 
-    heartbeat_interval_s: float = setting(5.0, check=positive)
-    lease_ttl_s: float = setting(30.0, check=positive)
-    suspicion_phi: float = setting(8.0, check=rule(lambda v: 0 < v < 100, "must be in (0, 100)"))
-    # Silence tolerated on top of the usual interval; None: lease_ttl_s / 2 - heartbeat.
-    suspicion_pause_s: float | None = setting(None, check=non_negative)
-    # After the last round, how long the final theta is served to sites of that round that
-    # have not fetched it yet (one cut off by the WAN comes back for it).
-    final_fetch_s: float = setting(600.0, check=positive)
+    heartbeat_interval_s: float = setting(
+        5.0, check=positive, help="how often a site's agent heartbeats"
+    )
+    lease_ttl_s: float = setting(
+        30.0, check=positive, help="a site's lease lapses this long after its last heartbeat"
+    )
+    suspicion_phi: float = setting(
+        8.0,
+        check=rule(lambda v: 0 < v < 100, "must be in (0, 100)"),
+        help="the phi-accrual threshold: a site whose phi reaches it is suspected and no longer "
+        "waited for",
+    )
+    suspicion_pause_s: float | None = setting(
+        None,
+        check=non_negative,
+        help="silence tolerated on top of a site's usual heartbeat interval before phi rises. "
+        "Unset: ``lease_ttl_s / 2 - heartbeat_interval_s`` (with the defaults, suspicion after "
+        "about 21 s of silence)",
+    )
+    final_fetch_s: float = setting(
+        600.0,
+        check=positive,
+        help="after the last round, how long the final theta is served to sites of that round "
+        "that have not fetched it and left (one cut off by the WAN comes back for it)",
+    )
 
     def detector_options(self) -> DetectorOptions:
         hb = self.heartbeat_interval_s

@@ -33,8 +33,15 @@ class EvaluationError(RuntimeError):
 class EvaluationConfig:
     """The ``[evaluation]`` table: the hook, and how often it runs."""
 
-    fn: str = setting(check=(non_empty, factory_spec))
-    every_rounds: int = setting(1, check=positive)
+    fn: str = setting(
+        check=(non_empty, factory_spec),
+        help="``package.module:function`` called as ``fn(model, round)`` on the global model at "
+        "the coordinator, off the round's path; needs ``model.factory``. Without the "
+        "``[evaluation]`` table: no evaluation",
+    )
+    every_rounds: int = setting(
+        1, check=positive, help="evaluate theta_0, every N-th theta and the last one"
+    )
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,38 @@ class RoundsConfig:
     code but a job config must say them: they decide how long the job trains.
     """
 
-    min_sites: int = setting(1, check=positive)
-    max_sites: int = setting(64, check=positive)
-    join_window_s: float = setting(5.0, check=rule(lambda v: v >= 0, "must be >= 0"))
-    deadline_s: float = setting(1800.0, check=positive)
-    total: int = setting(10, check=positive, required=True)
-    inner_steps: int = setting(50, check=positive, required=True)  # H
+    min_sites: int = setting(
+        1,
+        check=positive,
+        help="quorum: a round opens once this many sites hold leases, and closes at its "
+        "deadline only with this many updates",
+    )
+    max_sites: int = setting(64, check=positive, help="the most sites admitted to a round")
+    join_window_s: float = setting(
+        5.0,
+        check=rule(lambda v: v >= 0, "must be >= 0"),
+        help="after quorum, how long the first round waits for more sites",
+    )
+    deadline_s: float = setting(
+        1800.0,
+        check=positive,
+        help="a round closes at its deadline if ``min_sites`` updates are in (below quorum it "
+        "keeps waiting and says why)",
+    )
+    total: int = setting(
+        10,
+        check=positive,
+        required=True,
+        help="outer rounds (with ``[streaming]``, of every fragment: the coordinator runs "
+        "``total * fragments`` rounds)",
+    )
+    inner_steps: int = setting(
+        50,
+        check=positive,
+        required=True,
+        help="H, inner steps per round (with ``[streaming]``, between two syncs of one "
+        "fragment: a coordinator round is ``H / fragments`` steps)",
+    )
 
     def check(self) -> None:
         """A round can never have more than ``max_sites``, so it must allow ``min_sites``."""

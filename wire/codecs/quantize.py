@@ -45,6 +45,7 @@ from wire.codecs.base import (
     typed,
     who,
 )
+from wire.config_table import setting
 
 SCALE_DTYPES = {"fp16": (1, torch.float16), "fp32": (2, torch.float32)}
 _SCALE_BY_CODE = {code: dt for code, dt in SCALE_DTYPES.values()}
@@ -69,9 +70,20 @@ class _Buffers:
 
 @dataclass(frozen=True)
 class _BlockQuant(Codec):
-    block: int = 256
-    scale_dtype: str = "fp16"
-    error_feedback: bool = False
+    block: int = setting(
+        256,
+        help=f"elements per block, each with a scale of its own: a power of two in "
+        f"{MIN_BLOCK}..{MAX_BLOCK}",
+    )
+    scale_dtype: str = setting(
+        "fp16",
+        help=f"how the scales travel, one of {list(SCALE_DTYPES)}: ``fp16`` relative to one "
+        "fp32 unit in the meta (half the scale bytes), ``fp32`` as they are",
+    )
+    error_feedback: bool = setting(
+        False,
+        help="keep what the codec lost on the site as a residual, added to the next round's update",
+    )
     qmax: ClassVar[int]
     params: ClassVar[struct.Struct] = struct.Struct("<IBf")  # block, scale dtype code, unit
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -37,6 +37,7 @@ import torch
 from wire.codecs.base import Codec
 from wire.codecs.cast import NoneCodec
 from wire.codecs.registry import CODECS, make_codec
+from wire.config_table import setting
 
 
 class CodecConfigError(ValueError):
@@ -48,10 +49,17 @@ class CodecRule:
     """Use ``codec`` for tensors whose name matches ``match`` and whose element count lies in
     ``[min_numel, max_numel]``."""
 
-    codec: Codec
-    match: str = "*"
-    min_numel: int = 0
-    max_numel: int | None = None
+    codec: Codec = setting(
+        help="the codec's name (``none``, ``bf16``, ``fp16``, ``int8``, ``int4``, ``topk``); "
+        "every key of the rule but ``match``, ``min_numel`` and ``max_numel`` is one of its "
+        "parameters (the codecs' table below)"
+    )
+    match: str = setting(
+        "*",
+        help="an fnmatch pattern on the tensor's name, case-sensitive, where ``*`` also spans dots",
+    )
+    min_numel: int = setting(0, help="the rule applies to tensors of at least this many elements")
+    max_numel: int | None = setting(None, help="and of at most this many (unset: no upper bound)")
 
     def matches(self, name: str, numel: int) -> bool:
         return (
@@ -65,8 +73,16 @@ class CodecRule:
 class CompressionConfig:
     """Codec selection: ``rules`` in order, then ``default``."""
 
-    default: Codec = field(default_factory=NoneCodec)
-    rules: tuple[CodecRule, ...] = ()
+    default: Codec = setting(
+        factory=NoneCodec,
+        help="the codec of every floating-point tensor no rule matches: a name, or a table "
+        'with its parameters (``{ codec = "topk", fraction = 0.01 }``)',
+    )
+    rules: tuple[CodecRule, ...] = setting(
+        (),
+        help="``[[compression.rules]]``, tried in order, the first match wins (the next table); "
+        "sites read the same rules from the config the coordinator hands them",
+    )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str = "compression") -> CompressionConfig:

@@ -44,6 +44,7 @@ from wire.codecs.base import (
     who,
 )
 from wire.codecs.varint import max_varint_bytes, varint_decode, varint_encode
+from wire.config_table import setting
 
 VALUE_DTYPES = {"fp16": (1, torch.float16), "fp32": (2, torch.float32)}
 _VALUE_BY_CODE = {code: dt for code, dt in VALUE_DTYPES.values()}
@@ -168,10 +169,20 @@ class TopKCodec(Codec):
     """Top-k with error feedback: ``fraction`` of the elements, values fp16/fp32, indices
     int32/varint."""
 
-    fraction: float = 0.01
-    values: str = "fp16"
-    indices: str = "varint"
-    error_feedback: bool = True
+    fraction: float = setting(
+        0.01, help="the share of elements sent, the largest in magnitude, in (0, 1]"
+    )
+    values: str = setting("fp16", help=f"the values' wire dtype, one of {list(VALUE_DTYPES)}")
+    indices: str = setting(
+        "varint",
+        help=f"how the indices travel, one of {list(INDEX_CODES)} (``varint``: the gaps between "
+        "them)",
+    )
+    error_feedback: bool = setting(
+        True,
+        help="keep the elements not sent on the site as a residual, added to the next round's "
+        "update",
+    )
     name: ClassVar[str] = "topk"
     codec_id: ClassVar[int] = 5
     params: ClassVar[struct.Struct] = struct.Struct("<QBBf")  # k, index code, value code, g

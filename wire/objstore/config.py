@@ -28,6 +28,7 @@ MIN_PART_MIB = 5  # S3's smallest part (every part but the last); SeaweedFS enfo
 
 
 def check_url(url: str) -> str | None:
+    """``s3://BUCKET[/PREFIX]``, or ``""`` for the local state folder"""
     if url == "":
         return None
     if parse_url(url) is None:
@@ -37,6 +38,9 @@ def check_url(url: str) -> str | None:
 
 def check_part(mib: int) -> str | None:
     return None if mib >= MIN_PART_MIB else f"must be >= {MIN_PART_MIB} (S3's smallest part)"
+
+
+check_part.__doc__ = f"must be >= {MIN_PART_MIB} (S3's smallest part)"
 
 
 def parse_url(url: str) -> tuple[str, str] | None:
@@ -56,9 +60,22 @@ def parse_url(url: str) -> tuple[str, str] | None:
 class StorageConfig:
     """The ``[storage]`` table (see the module docstring)."""
 
-    url: str = setting("", check=check_url)
-    endpoint_url: str = setting("")
-    multipart_mib: int = setting(64, check=[positive, check_part])
+    url: str = setting(
+        "",
+        check=check_url,
+        help="``s3://BUCKET[/PREFIX]``: the coordinator's checkpoints, start epoch and event log "
+        'in S3-compatible object storage (the ``s3`` extra). ``""``: the state folder',
+    )
+    endpoint_url: str = setting(
+        "",
+        help='the S3 endpoint. ``""``: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, the AWS '
+        "config file, else AWS S3 in ``AWS_REGION``",
+    )
+    multipart_mib: int = setting(
+        64,
+        check=[positive, check_part],
+        help="objects above this many MiB go as multipart uploads, in parts of this size",
+    )
 
     @property
     def remote(self) -> bool:
