@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
+# mkdocs-material prints an end-of-life notice on every build; the build itself is what counts.
 export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: demo test test-slow lint format docs proto clean chromium etcd
