@@ -133,3 +133,26 @@ def test_a_close_that_disagrees_with_what_was_folded_fails(tmp_path, worker):
     running.order()
     with pytest.raises(RuntimeError, match="folded"):
         running.finish([ups[1].key, ups[0].key]).result()
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "topk", "bf16"])
+def test_encoded_updates_fold_straight_into_the_sum_bit_for_bit(tmp_path, codec):
+    """Decoding into the sum is the same multiply and add per element as decoding whole and
+    adding (the rule every restart and every site relies on)."""
+    from coordinator.round.accumulate import fold_into
+    from wire.codecs import CodecState
+    from wire.codecs.rules import CompressionConfig
+    from wire.tensors import entry_tensor, pack_encoded
+
+    g = torch.Generator().manual_seed(7)
+    delta = {"a": torch.randn(300, 70, generator=g), "b": torch.randn(999, generator=g)}
+    cfg = CompressionConfig.from_dict({"default": codec})
+    manifest, payload = pack_encoded(delta, cfg, CodecState())
+    update = spool(tmp_path, UpdateKey("s"), None, 1.0, manifest, payload)
+    start = {k: torch.randn(v.shape, generator=g) for k, v in delta.items()}
+    got = {k: v.clone() for k, v in start.items()}
+    fold_into(got, update, 0.37)
+    for e in manifest.entries:
+        raw = torch.frombuffer(bytearray(payload[e.offset : e.end]), dtype=torch.uint8)
+        want = start[e.name].clone().add_(entry_tensor(e, raw).to(torch.float32), alpha=0.37)
+        assert torch.equal(got[e.name], want), e.name

@@ -19,7 +19,7 @@ from coordinator.intake.spool import (
     SpooledUpdate,
     SpoolError,
     UpdateSpool,
-    read_entry,
+    mapped_entry,
     read_into,
     read_tensors,
 )
@@ -163,8 +163,9 @@ def screen(upload: Upload) -> None:
         if e.codec == "none" and i not in unchecked:
             continue
         if e.codec != "none":
-            raw = read_entry(upload.path, e, keep=False)
+            raw = mapped_entry(upload.path, e)
             verify(raw, e.codec_meta, e.numel, codec=e.codec, name=e.label)
+            del raw  # the mapping goes with it
             continue
         dtype = DTYPES[e.dtype]
         step = SCREEN_CHUNK // dtype.itemsize * dtype.itemsize

@@ -103,6 +103,16 @@ def read_entry(path: Path, e: TensorEntry, keep: bool = True) -> torch.Tensor:
     return out
 
 
+def mapped_entry(path: Path, e: TensorEntry) -> torch.Tensor:
+    """One entry's bytes as a uint8 tensor over a private mapping of the file: its pages are
+    the page cache's, so checking a spooled update takes no memory of its own (a copy would
+    be new pages for every encoded tensor of every update)."""
+    if not e.nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    data = np.memmap(path, dtype=np.uint8, mode="c", offset=e.offset, shape=(e.nbytes,))
+    return torch.from_numpy(data)
+
+
 def read_into(path: Path, offset: int, out: torch.Tensor) -> None:
     """Fill the uint8 tensor ``out`` with the file's bytes from ``offset``."""
     with open(path, "rb", buffering=0) as f:

@@ -27,7 +27,8 @@ import torch
 from coordinator.intake.spool import SpooledUpdate, read_entry, read_into
 from coordinator.records import UpdateKey
 from coordinator.round.spare_buffer import SpareBuffer
-from wire.tensors import entry_tensor
+from wire.codecs import CodecError, decode_into
+from wire.tensors import PayloadError, entry_tensor
 from wire.theta import ThetaBuffer
 
 _local = threading.local()
@@ -52,11 +53,26 @@ def fold_into(acc: Mapping[str, torch.Tensor], update: SpooledUpdate, alpha: flo
     holds 4 MiB of scratch rather than a tensor's worth."""
     for e in update.manifest.entries:
         target = acc[e.name][e.box()] if e.is_piece else acc[e.name]
-        if e.codec == "none" and e.dtype == "float32" and target.is_contiguous():
+        direct = e.dtype == "float32" and target.is_contiguous()
+        if direct and e.codec == "none":
             _fold_raw(target.view(-1), update, e, alpha)
-            continue
-        delta = entry_tensor(e, read_entry(update.path, e))
-        target.add_(delta.to(torch.float32), alpha=alpha)
+        elif direct:
+            # Decoded straight into the sum, block by block: the same multiply and add per
+            # element as decoding whole and adding, without a tensor's worth of new memory.
+            try:
+                decode_into(
+                    target,
+                    read_entry(update.path, e),
+                    e.codec_meta,
+                    alpha,
+                    codec=e.codec,
+                    name=e.label,
+                )
+            except CodecError as exc:
+                raise PayloadError(str(exc)) from exc
+        else:
+            delta = entry_tensor(e, read_entry(update.path, e))
+            target.add_(delta.to(torch.float32), alpha=alpha)
 
 
 def _fold_raw(flat: torch.Tensor, update: SpooledUpdate, e, alpha: float) -> None:

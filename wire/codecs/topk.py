@@ -284,7 +284,12 @@ class TopKCodec(Codec):
         vals = _decoded_values(stored, h.params[3]) if vdtype == torch.float16 else stored.float()
         vals = vals.to(out.dtype)
         if add:
-            out.index_add_(0, idx, vals, alpha=alpha)
+            # The picked elements through the same add as a dense tensor's (``add_`` with
+            # alpha), so adding the decoded values gives the bits decoding whole then adding
+            # does; ``index_add_`` rounds alpha * value on its own first. The indices are
+            # strictly increasing (checked above): no element is picked twice.
+            picked = out.index_select(0, idx).add_(vals, alpha=alpha)
+            out.index_copy_(0, idx, picked)
         else:
             out.zero_()
             out.index_put_((idx,), vals)
