@@ -25,6 +25,7 @@ class Phase:
     """CPU seconds and bytes of one phase, summed over its windows."""
 
     bytes: int = 0
+    seconds: float = 0.0  # wall time of the windows
     coordinator: float = 0.0
     agents: float = 0.0
     coordinator_groups: dict[str, float] = field(default_factory=dict)
@@ -183,6 +184,7 @@ def measure(folder: Path, sites: int, model_bytes: int, sampler: Sampler) -> Job
         ]
         for phase, start, end, moved in windows:
             phase.bytes += sum(t["bytes"] for t in moved)
+            phase.seconds += max(0.0, end - start)
             groups = sampler.by_group("coordinator", start, end)
             groups.pop("checkpoint", None)  # in the background: shown on its own
             phase.coordinator += sum(groups.values())
