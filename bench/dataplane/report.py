@@ -55,6 +55,11 @@ def _per_gb(seconds: float, nbytes: int) -> str:
     return f"{seconds / (nbytes / GB):.3f}" if nbytes else "-"
 
 
+def _cores(phase) -> str:
+    """The coordinator's CPU over the phase's wall time: how many cores it kept busy."""
+    return f"{phase.coordinator / phase.seconds:.2f}" if phase.seconds else "-"
+
+
 def print_table(job: JobRun, f: Figures, args) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -64,13 +69,15 @@ def print_table(job: JobRun, f: Figures, args) -> None:
         f"{args.sites} sites, {args.codec}, {job.rounds} measured rounds"
     )
     t = Table(title=title)
-    for col in ("phase", "GB", "coordinator s/GB", "floor", "agents s/GB", "floor"):
+    columns = ("phase", "GB", "coordinator s/GB", "floor", "cores", "agents s/GB", "floor")
+    for col in columns:
         t.add_column(col, justify="left" if col == "phase" else "right")
     t.add_row(
         "push (receive, check, spool, fold)",
         f"{job.push.bytes / GB:.2f}",
         _per_gb(job.push.coordinator, job.push.bytes),
         f"{f.coord_push_floor:.3f}",
+        _cores(job.push),
         _per_gb(job.push.agents, job.push.bytes),
         f"{f.agent_push_floor:.3f}",
     )
@@ -79,6 +86,7 @@ def print_table(job: JobRun, f: Figures, args) -> None:
         "",
         _per_gb(job.close.coordinator, job.push.bytes),
         "0",
+        _cores(job.close),
         "",
         "",
     )
@@ -87,6 +95,7 @@ def print_table(job: JobRun, f: Figures, args) -> None:
         f"{job.fetch.bytes / GB:.2f}",
         _per_gb(job.fetch.coordinator, job.fetch.bytes),
         f"{f.coord_fetch_floor:.3f}",
+        _cores(job.fetch),
         _per_gb(job.fetch.agents, job.fetch.bytes),
         f"{f.agent_fetch_floor:.3f}",
     )
@@ -95,6 +104,7 @@ def print_table(job: JobRun, f: Figures, args) -> None:
         "",
         f"{f.coord:.3f}",
         f"{f.coord_floor:.3f}",
+        "",
         f"{f.agent:.3f}",
         f"{f.agent_floor:.3f}",
     )
@@ -102,6 +112,7 @@ def print_table(job: JobRun, f: Figures, args) -> None:
         "checkpoint (background), per GB pushed",
         "",
         _per_gb(job.checkpoint_s, job.push.bytes),
+        "",
         "",
         "",
         "",
