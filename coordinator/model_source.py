@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from coordinator.import_path import nearest_holding
 from wire.config_table import ConfigError, non_empty, setting
 
 
@@ -40,13 +41,11 @@ def import_hint(
             if missing
             else "the module failed to import"
         )
-    rel = Path(*module.split("."))
-    for base in [config_dir, *config_dir.parents]:
-        if (base / rel).with_suffix(".py").is_file() or (base / rel / "__init__.py").is_file():
-            return (
-                f"{base} holds {module}: run `coordinator serve` from {base}, or add it to "
-                f"PYTHONPATH (export PYTHONPATH={base})"
-            )
+    if (base := nearest_holding(module, config_dir)) is not None:
+        return (
+            f"{base} holds {module}: run `coordinator serve` from {base}, or add it to "
+            f"PYTHONPATH (export PYTHONPATH={base}); `coordinator local` adds it by itself"
+        )
     return (
         f"the coordinator imports {key} from its working directory ({cwd}) and "
         f"PYTHONPATH, and neither holds {top}/: run it from the folder that holds {top}/, or "

@@ -4,6 +4,7 @@ summary, the exported model loaded into the example's model, Ctrl-C and a resume
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,9 +17,11 @@ from safetensors.torch import load_file
 try:  # tests/ as a package or as a plain folder on sys.path
     from . import coord_harness as h
     from .test_coordinator_cli import one_line_error
+    from .test_copied_config import as_installed
 except ImportError:
     import coord_harness as h
     from test_coordinator_cli import one_line_error
+    from test_copied_config import as_installed
 
 from coordinator.cli.local_job import LocalPlan, site_names
 from coordinator.cli.local_report import by_round, summary_table
@@ -79,6 +82,41 @@ def test_a_local_job_ends_with_a_model_the_example_loads(explicit):
     for site in ("site-0", "site-1"):
         lines = (tmp_path / "run" / site / "metrics.jsonl").read_text().splitlines()
         assert {json.loads(x)["site"] for x in lines} == {site}
+
+
+def test_a_job_runs_from_any_folder(tmp_path):
+    """From an empty folder elsewhere, with isthmus installed and the repository not on the
+    import path: the example's factory and evaluation hook are found from the config file,
+    and the job completes."""
+    kwargs = ", ".join(f"{k} = {v}" for k, v in SMALL.items())
+    sets = ["rounds.total=1", "rounds.inner_steps=2", "rounds.join_window_s=1",
+            f"model.kwargs={{ {kwargs} }}"]  # fmt: skip
+    cmd = [*h.coordinator_command(), "local", "--sites", "2"]
+    cmd += ["--config", str(EXAMPLE / "job.toml"), *[f for kv in sets for f in ("--set", kv)]]
+    cmd += ["--", str(EXAMPLE / "train.py"), *TRAIN_ARGS]
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    env = {**os.environ, **as_installed(tmp_path)}
+    result = subprocess.run(cmd, cwd=empty, env=env, capture_output=True, text=True, timeout=240)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    final = empty / "runs" / "local" / "coordinator" / "final" / "model.safetensors"
+    assert f"final model: {final} (round 1)" in out, out
+    assert f"import path: added {h.REPO} (holds examples.gpt_diloco.model, " in out, out
+
+
+def test_a_factory_found_nowhere_is_refused_before_anything_starts(tmp_path):
+    job = h.job_config(model={"factory": "nowhere_pkg.model:build", "kwargs": {}})
+    config = h.write_config(tmp_path, job)
+    result = h.run_cli(
+        "local", "--sites", "1", "--config", str(config), "--run-dir", str(tmp_path / "run"),
+        "--", str(EXAMPLE / "train.py"), cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2
+    line = one_line_error(result)
+    assert "model.factory: cannot find module 'nowhere_pkg.model'" in line, line
+    assert f"in {tmp_path} or any folder above it" in line, line
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow  # 14 s; the loop form's own unit tests stay

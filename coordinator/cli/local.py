@@ -29,6 +29,7 @@ from coordinator.cli.local_report import (
     round_line,
 )
 from coordinator.cli.local_report import summary_table as table
+from coordinator.import_path import describe
 
 POLL_S = 0.5
 
@@ -70,13 +71,14 @@ def run_local(args, script: list[str]) -> int:
         raise ConfigError(f"training script {script[0] if script else ''!r} not found after --")
     if not Path(args.config).is_file():
         raise ConfigError(f"no job config {args.config}: pass --config FILE")
+    folders = job_import_folders(args.config, args.set)  # before anything is started
     run_dir = Path(args.run_dir).absolute()
     if args.fresh:
         shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     plan = LocalPlan(
         run_dir, Path(args.config).absolute(), site_names(args.sites), args.nproc_per_node,
-        tuple(script), tuple(args.set),
+        tuple(script), tuple(args.set), tuple(folders),
     )  # fmt: skip
     console = Console(highlight=False, soft_wrap=True)
     make_pki(plan)
@@ -84,10 +86,12 @@ def run_local(args, script: list[str]) -> int:
         f"isthmus local: coordinator and {args.sites} site(s) x {args.nproc_per_node} "
         f"trainer(s) on loopback, mutual TLS (certificates in {plan.pki}); logs in {run_dir}"
     )
+    if folders:
+        console.print(describe(folders), markup=False)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_stopped)
     started = time.monotonic()
-    procs = Processes(run_dir)
+    procs = Processes(run_dir, plan.environ())
     try:
         return _run(plan, procs, console, started)
     except Stopped as stop:
@@ -102,6 +106,17 @@ def run_local(args, script: list[str]) -> int:
         procs.stop(plan.sites)
         procs.stop(["coordinator"])
         procs.close()
+
+
+def job_import_folders(config: str, overrides: list[str]) -> dict[Path, list[str]]:
+    """The folders the job's own modules import from (``coordinator.import_path``), found
+    from the config file whatever the working directory; a ``ConfigError`` for a module
+    found nowhere, or a config that does not load."""
+    from coordinator.config import load_config
+    from coordinator.import_path import import_folders, job_modules
+
+    cfg = load_config(config, overrides)
+    return import_folders(job_modules(cfg), Path(config), Path.cwd())
 
 
 def _run(plan: LocalPlan, procs: Processes, console, started: float) -> int:

@@ -35,6 +35,9 @@ class LocalPlan:
     nproc_per_node: int
     script: tuple[str, ...]  # the training script and its arguments
     overrides: tuple[str, ...] = ()
+    # Folders holding the job's own modules (``coordinator.import_path``), first on every
+    # process's PYTHONPATH: the job imports the same code whatever the working directory.
+    import_path: tuple[Path, ...] = ()
 
     @property
     def state_dir(self) -> Path:
@@ -43,6 +46,12 @@ class LocalPlan:
     @property
     def pki(self) -> Path:
         return self.run_dir / "pki"
+
+    def environ(self) -> dict[str, str]:
+        """The environment of every process: this one's, with ``import_path`` first."""
+        from coordinator.import_path import with_import_path
+
+        return with_import_path(os.environ, self.import_path)
 
     def serve_command(self) -> list[str]:
         cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(self.config)]
@@ -84,15 +93,17 @@ class Processes:
     """The job's processes, each in its own session: a Ctrl-C at the terminal reaches this
     process only, which then stops them in order (sites first, then the coordinator)."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
+    def __init__(self, run_dir: Path, environ: dict[str, str] | None = None) -> None:
+        self.run_dir, self.environ = run_dir, environ
         self.procs: dict[str, subprocess.Popen] = {}
         self._logs = []
 
     def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log = open(self.run_dir / f"{name}.log", "a")  # noqa: SIM115 - closed in close()
         self._logs.append(log)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=self.environ, start_new_session=True
+        )
         self.procs[name] = proc
         return proc
 
