@@ -18,6 +18,7 @@ from wire.cli_flags import (
     add_security_flags,
     add_version_flag,
     bundle_from_flags,
+    configure_logging,
     env_defaults,
     quiet_grpc,
 )
@@ -395,11 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"siteclient: error: {exc} ({USAGE_HINT})", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level)
     try:
         return _start(args, launch_flags, command)
     except UsageError as exc:

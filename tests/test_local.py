@@ -87,7 +87,8 @@ def test_a_local_job_ends_with_a_model_the_example_loads(explicit):
 def test_a_job_runs_from_any_folder(tmp_path):
     """From an empty folder elsewhere, with isthmus installed and the repository not on the
     import path: the example's factory and evaluation hook are found from the config file,
-    and the job completes."""
+    the job completes, and the user sees no third-party INFO line (a fresh MPLCONFIGDIR has
+    matplotlib build its font cache, which it announces at INFO)."""
     kwargs = ", ".join(f"{k} = {v}" for k, v in SMALL.items())
     sets = ["rounds.total=1", "rounds.inner_steps=2", "rounds.join_window_s=1",
             f"model.kwargs={{ {kwargs} }}"]  # fmt: skip
@@ -96,13 +97,15 @@ def test_a_job_runs_from_any_folder(tmp_path):
     cmd += ["--", str(EXAMPLE / "train.py"), *TRAIN_ARGS]
     empty = tmp_path / "elsewhere"
     empty.mkdir()
-    env = {**os.environ, **as_installed(tmp_path)}
+    env = {**os.environ, **as_installed(tmp_path), "MPLCONFIGDIR": str(tmp_path / "mpl")}
     result = subprocess.run(cmd, cwd=empty, env=env, capture_output=True, text=True, timeout=240)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     final = empty / "runs" / "local" / "coordinator" / "final" / "model.safetensors"
     assert f"final model: {final} (round 1)" in out, out
     assert f"import path: added {h.REPO} (holds examples.gpt_diloco.model, " in out, out
+    assert (tmp_path / "mpl").is_dir()  # matplotlib did write its cache there
+    assert not [x for x in out.splitlines() if " INFO " in x and " isthmus" not in x], out
 
 
 def test_a_factory_found_nowhere_is_refused_before_anything_starts(tmp_path):

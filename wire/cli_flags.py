@@ -1,5 +1,6 @@
 """What every isthmus command line shares: ``--tls-dir`` or ``--insecure``, ``--version``,
-flags that default to environment variables, and gRPC's own log level.
+flags that default to environment variables, gRPC's own log level, and the log handler that
+shows isthmus's INFO lines and only third parties' warnings.
 
 Kept apart from ``wire.net.channel`` (which imports grpc) and from torch: a command line is
 parsed, and its ``--help`` printed, before either loads.
@@ -8,6 +9,7 @@ parsed, and its ``--help`` printed, before either loads.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -82,3 +84,32 @@ def quiet_grpc() -> None:
     """gRPC's own INFO lines (each failed TLS handshake) would come before the one-line error
     a command prints; keep its errors. Read when grpc is first imported, so called first."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
+# The loggers whose INFO lines are the product's own: ``isthmus.*``, and the modules of its
+# packages that log under their own names (``coordinator.persist.local_store``).
+OWN_LOGGERS = frozenset({"isthmus", "coordinator", "site_client", "strategies", "wire"})
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class OwnInfoOnly(logging.Filter):
+    """Lets through isthmus's own records at any level and everyone else's from WARNING up:
+    a library's INFO line (``matplotlib.font_manager: generated new fontManager``,
+    ``botocore.credentials: Found credentials``) is not news to the user."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name.split(".")[0] in OWN_LOGGERS
+
+
+def configure_logging(level: str) -> None:
+    """What ``logging.basicConfig(level=level)`` does, stderr and one format, with the handler
+    filtered by ``OwnInfoOnly``; like basicConfig it leaves a process whose logging is
+    already set up (handlers on the root logger) as it is."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.addFilter(OwnInfoOnly())
+    root.addHandler(handler)
+    root.setLevel(level)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import shlex
 import signal
@@ -29,7 +28,13 @@ from coordinator.service.job_end import (
     signal_exit_code,
     stopped_message,
 )
-from wire.cli_flags import add_security_flags, add_version_flag, bundle_from_flags, quiet_grpc
+from wire.cli_flags import (
+    add_security_flags,
+    add_version_flag,
+    bundle_from_flags,
+    configure_logging,
+    quiet_grpc,
+)
 from wire.config_table import ConfigError, check_listen
 from wire.identity import IdentityError
 
@@ -263,11 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["local"]:
         argv, script = split_script(argv)
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(getattr(args, "log_level", "INFO"))
     try:
         commands = {
             "certs": run_certs,
