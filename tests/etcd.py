@@ -3,7 +3,8 @@
 ``etcd_binary()`` finds ``etcd`` on PATH (``make test`` installs the package when it is
 absent); ``EtcdServer`` starts one member with its data under a test folder, client and peer
 URLs on free loopback ports, waits until ``/health`` answers, and stops it with SIGTERM
-(SIGKILL after a few seconds: its data is a test's, thrown away).
+(SIGKILL after a few seconds: its data is a test's, thrown away). Its log (``etcd.log``) and
+any temporary file (``tmp/``, its TMPDIR) stay in that folder too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from server_process import log_tail, stop_process
+from server_process import log_tail, scratch_env, stop_process
 
 
 def etcd_binary() -> str | None:
@@ -63,7 +64,9 @@ class EtcdServer:
         self.folder.mkdir(parents=True, exist_ok=True)
         log = open(self.folder / "etcd.log", "w")  # noqa: SIM115 - handed to the child
         try:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=scratch_env(self.folder)
+            )
         finally:
             log.close()
         try:

@@ -4,8 +4,10 @@
 wheel puts it in the environment's ``bin``), else on ``PATH``; ``SeaweedS3`` starts one server
 on loopback with every port it opens chosen free, an ``s3.json`` holding one access key, and
 one bucket, waits until S3 answers, and stops it with SIGTERM (SIGKILL after a few seconds:
-its data is a test's, thrown away). ``environ()`` makes it this process's only AWS settings
-for a while, for the processes it starts as well.
+its data is a test's, thrown away). Everything it writes stays in its folder: its data, one
+log (``weed.log``), its unix sockets and temporary files (``tmp/``), nothing in /tmp.
+``environ()`` makes it this process's only AWS settings for a while, for the processes it
+starts as well.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from server_process import log_tail, stop_process
+from server_process import log_tail, scratch_env, stop_process
 
 ACCESS_KEY = "isthmus-test"
 SECRET_KEY = "isthmus-test-secret"
@@ -73,6 +75,7 @@ class SeaweedS3:
         self.folder, self.binary, self.bucket = Path(folder), binary, bucket
         self.proc: subprocess.Popen | None = None
         self.endpoint = ""
+        self.ports: dict[str, int] = {}  # flag -> port, once started
 
     def start(self, timeout: float = 30.0) -> str:
         data = self.folder / "data"
@@ -84,14 +87,17 @@ class SeaweedS3:
             "actions": ["Admin", "Read", "List", "Tagging", "Write"],
         }
         config.write_text(json.dumps({"identities": [identity]}))
-        ports = dict(zip(PORT_FLAGS, _free_ports(len(PORT_FLAGS)), strict=True))
-        cmd = [self.binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
-        cmd += ["-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
-        cmd += ["-master.telemetry=false", f"-s3.config={config}", f"-bucket={self.bucket}"]
+        self.ports = ports = dict(zip(PORT_FLAGS, _free_ports(len(PORT_FLAGS)), strict=True))
+        env = scratch_env(self.folder)
+        cmd = [self.binary, *self._own_files(Path(env["TMPDIR"])), "mini", f"-dir={data}"]
+        cmd += ["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-webdav=false", "-admin.ui=false"]
+        cmd += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"]
+        cmd += [f"-s3.config={config}", f"-bucket={self.bucket}"]
         cmd += [f"-{flag}={port}" for flag, port in ports.items()]
+        cmd += [f"-{kind}.localSocket={self._socket(kind, env)}" for kind in ("s3", "filer")]
         log = open(self.folder / "weed.log", "w")  # noqa: SIM115 - handed to the child
         try:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         finally:
             log.close()
         self.endpoint = f"http://127.0.0.1:{ports['s3.port']}"
@@ -101,6 +107,24 @@ class SeaweedS3:
             self.stop()
             raise
         return self.endpoint
+
+    @staticmethod
+    def _own_files(scratch: Path) -> list[str]:
+        """glog's flags: every line to stderr (``weed.log``) and no ``weed.<host>.log.*``
+        files, which it would otherwise write to ``os.TempDir()``; any it still writes go to
+        the scratch folder."""
+        return ["-logtostderr", f"-logdir={scratch}"]
+
+    @staticmethod
+    def _socket(kind: str, env: dict[str, str]) -> Path:
+        """The unix socket ``weed mini`` opens for its S3 gateway or filer: by default
+        ``/tmp/seaweedfs-<kind>-<port>.sock`` (not TMPDIR), here in the scratch folder."""
+        path = Path(env["TMPDIR"]) / f"{kind}.sock"
+        if len(str(path)) > 100:  # sun_path holds 107 bytes and a NUL
+            raise ValueError(
+                f"SeaweedFS folder too deep for its sockets ({path}): use a shorter one"
+            )
+        return path
 
     def env(self) -> dict[str, str]:
         """The AWS variables that point boto3 (and a coordinator) at this server."""

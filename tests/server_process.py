@@ -1,8 +1,9 @@
-"""Stopping a server process a test started, and reading the end of its log: shared by the
-coordinator, etcd and SeaweedFS fixtures."""
+"""Stopping a server process a test started, reading the end of its log, and the scratch
+folder it writes its own files in: shared by the coordinator, etcd and SeaweedFS fixtures."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -27,3 +28,12 @@ def log_tail(path: Path, n: int) -> str:
         return "\n".join(path.read_text().splitlines()[-n:])
     except OSError:
         return "(no log)"
+
+
+def scratch_env(folder: Path) -> dict[str, str]:
+    """This process's environment with ``folder/tmp`` (made here) as the child's temporary
+    folder: what it writes there (a Go binary's ``os.TempDir()``, its sockets) stays with the
+    test's files, never in the machine's /tmp."""
+    scratch = Path(folder) / "tmp"
+    scratch.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "TMPDIR": str(scratch), "TMP": str(scratch), "TEMP": str(scratch)}
