@@ -487,3 +487,32 @@ def test_message_api_multikrum_end_to_end(tmp_path):
         for name, t in thetas[r].items():
             want = t - delta[name] if name in delta else t
             torch.testing.assert_close(thetas[r + 1][name], want, rtol=1e-6, atol=1e-6)
+
+
+def test_flowers_own_info_lines_stay_out_of_the_output(tmp_path):
+    """Flower logs every round's sampling and aggregation at INFO through a console handler of
+    its own on the ``flwr`` logger, past isthmus's log handler: no INFO record reaches that
+    logger's handlers, like any library's INFO; its warnings do."""
+    from flwr.common.logger import log
+
+    class Seen(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    sites = sh.make_sites(2)
+    theta = sh.theta0()
+    deltas = {s: m.delta(theta) for s, m in sites.items()}
+    strategy = _new("FedAvg", {})
+    seen = Seen()
+    logging.getLogger("flwr").addHandler(seen)  # beside Flower's console handler
+    try:
+        _round(strategy, theta, deltas, {s: 1.0 for s in sites}, UpdateSpool(tmp_path), 0)
+        log(logging.WARNING, "a warning of flwr's")
+    finally:
+        logging.getLogger("flwr").removeHandler(seen)
+    lines = [(r.levelname, r.getMessage()) for r in seen.records]
+    assert lines == [("WARNING", "a warning of flwr's")], lines

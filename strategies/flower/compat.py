@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import warnings
 from collections.abc import Mapping
@@ -38,7 +39,8 @@ UNSUPPORTED = {
 @contextlib.contextmanager
 def flwr_imports():
     """Around importing flwr: telemetry and the update check turned off, the warnings its CLI
-    dependencies raise on import silenced, and a missing flwr said as what to install."""
+    dependencies raise on import silenced, a missing flwr said as what to install, and its
+    logger at WARNING once imported."""
     os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
     os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
     try:
@@ -49,6 +51,9 @@ def flwr_imports():
         raise StrategyError(
             f"Flower strategies need flwr 1.42: pip install 'isthmus[flower]' ({exc})"
         ) from exc
+    # flwr logs every round's sampling and aggregation at INFO through a console handler of its
+    # own, past isthmus's log handler: a library's INFO, kept out like any other's.
+    logging.getLogger("flwr").setLevel(logging.WARNING)
 
 
 def import_flower():
