@@ -74,12 +74,12 @@ def import_folders(
     cwd: Path,
     is_installed: Callable[[str], bool] = installed,
 ) -> dict[Path, list[str]]:
-    """The folders to put on the import path, nearest to the config first, each with the
-    modules it holds; a module already importable (installed) needs none.
+    """The folders to put on the import path, in the order the modules are named, each with
+    the modules it holds; a module already importable (installed) needs none.
 
-    The config file's project comes first, then the working directory (where
-    ``coordinator serve`` looks). A ``ConfigError`` naming the key, the module and where it
-    looked when a module is found nowhere.
+    Each module is looked for in the config file's project first, then in the working
+    directory (where ``coordinator serve`` looks). A ``ConfigError`` naming the key, the module
+    and where it looked when a module is found nowhere.
     """
     folders: dict[Path, list[str]] = {}
     for key, module in modules:

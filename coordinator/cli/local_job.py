@@ -4,7 +4,9 @@ It makes the job's PKI (the coordinator's certificate for ``127.0.0.1`` and ``lo
 bundle per site, an operator's for the progress display), starts ``coordinator serve`` and N
 ``siteclient start`` agents over mutual TLS on loopback, each a process of its own as on real
 sites, shows the rounds as they close, and ends with the summary (``local_report``). Ctrl-C
-stops every process cleanly; the same command resumes the job from its state.
+stops every process cleanly; the same command resumes the job from its state. Every process
+starts with the folders that hold the job's own modules first on its PYTHONPATH
+(``coordinator.import_path``), so the job runs from any working directory.
 
 Layout of ``--run-dir`` (default ``runs/local``): ``pki/``, ``coordinator/`` (its state folder,
 the final model in ``coordinator/final/``), ``site-<i>/`` (each agent's run folder), a log per
