@@ -42,7 +42,7 @@ def test_thread_groups_by_native_name():
     assert group_of("fold_0") == "fold"
     assert group_of("checkpoint_0") == "checkpoint"
     assert group_of("grpc-handler_3") == "grpc handlers"
-    assert group_of("MainThread") == "other"
+    assert group_of("MainThread") == "MainThread"  # no known part: its own name
 
 
 def test_child_threads_carry_their_python_names(tmp_path):

@@ -45,11 +45,12 @@ def thread_times(pid: int) -> dict[tuple[int, str], float]:
 
 
 def group_of(name: str) -> str:
-    """The part of the process a thread name belongs to (``fold_0`` -> ``fold``)."""
+    """The part of the process a thread name belongs to (``fold_0`` -> ``fold``); a thread
+    of no known part by its own name."""
     for prefix, group in GROUPS:
         if name.startswith(prefix):
             return group
-    return "other"
+    return name
 
 
 GROUPS = (
