@@ -64,12 +64,8 @@ def run(folder: Path, mib: int, sites: int, rounds: int, uploads: str = "auto") 
     shutil.rmtree(folder, ignore_errors=True)  # a new job every time
     folder.mkdir(parents=True)
     width, depth = WIDTHS[mib]
-    text = job_config(
-        width, depth, rounds, 1, "fp32", {"heartbeat_interval_s": 2.0, "lease_ttl_s": 120.0}
-    )
-    text = text.replace("min_sites = 2", f"min_sites = {sites}").replace(
-        "max_sites = 2", f"max_sites = {sites}"
-    )
+    timeouts = {"heartbeat_interval_s": 2.0, "lease_ttl_s": 120.0}
+    text = job_config(width, depth, rounds, 1, "fp32", timeouts, sites)
     if uploads != "auto":
         text = text.replace(
             'listen = "127.0.0.1:0"', f'listen = "127.0.0.1:0"\nconcurrent_uploads = {uploads}'

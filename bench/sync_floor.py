@@ -58,25 +58,36 @@ def serve(tls_dir: Path, nbytes: int, clients: int) -> None:
         "Up": grpc.stream_unary_rpc_method_handler(up, _raw, _raw),
         "Down": grpc.unary_stream_rpc_method_handler(down, _raw, _raw),
     }
-    server = grpc.server(futures.ThreadPoolExecutor(4 * clients), options=server_options())
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
-    creds = grpc.ssl_server_credentials(
-        [(bundle.key, bundle.cert)], root_certificates=bundle.ca, require_client_auth=True
-    )
-    port = server.add_secure_port("127.0.0.1:0", creds)
-    server.start()
+    server, port = raw_server(bundle, SERVICE, handlers, 4 * clients)
     print(port, flush=True)
     sys.stdin.read()
     server.stop(0)
 
 
-def exchange(tls_dir: Path, port: int, nbytes: int, repeats: int) -> list[float]:
-    """Up then down, ``repeats`` times after one warm-up; seconds of each."""
-    bundle = Bundle.load(tls_dir)
+def raw_server(bundle: Bundle, service: str, handlers: dict, workers: int):
+    """A started mutual-TLS gRPC server of raw-bytes ``handlers`` with the product's server
+    options, on a free loopback port: ``(server, port)``."""
+    server = grpc.server(futures.ThreadPoolExecutor(workers), options=server_options())
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, handlers)])
+    creds = grpc.ssl_server_credentials(
+        [(bundle.key, bundle.cert)], root_certificates=bundle.ca, require_client_auth=True
+    )
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    server.start()
+    return server, port
+
+
+def raw_channel(bundle: Bundle, port: int) -> grpc.Channel:
+    """A mutual-TLS channel to ``raw_server`` with the product's channel options."""
     creds = grpc.ssl_channel_credentials(bundle.ca, bundle.key, bundle.cert)
     # The coordinator's certificate names the host the sites dial.
     options = [*channel_options(), ("grpc.ssl_target_name_override", "127.0.0.1")]
-    with grpc.secure_channel(f"127.0.0.1:{port}", creds, options=options) as channel:
+    return grpc.secure_channel(f"127.0.0.1:{port}", creds, options=options)
+
+
+def exchange(tls_dir: Path, port: int, nbytes: int, repeats: int) -> list[float]:
+    """Up then down, ``repeats`` times after one warm-up; seconds of each."""
+    with raw_channel(Bundle.load(tls_dir), port) as channel:
         meet = channel.unary_unary(f"/{SERVICE}/Meet", _raw, _raw)
         up = channel.stream_unary(f"/{SERVICE}/Up", _raw, _raw)
         down = channel.unary_stream(f"/{SERVICE}/Down", _raw, _raw)

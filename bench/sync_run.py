@@ -56,7 +56,9 @@ def _toml(cfg: dict) -> str:
     return "\n".join(lines)
 
 
-def job_config(width: int, depth: int, rounds: int, h: int, codec: str, timeouts: dict) -> str:
+def job_config(
+    width: int, depth: int, rounds: int, h: int, codec: str, timeouts: dict, sites: int = 2
+) -> str:
     cfg = {
         "job": {"name": f"sync-{width}x{depth}-{codec}", "state_dir": "state"},
         "model": {
@@ -67,8 +69,8 @@ def job_config(width: int, depth: int, rounds: int, h: int, codec: str, timeouts
         "rounds": {
             "total": rounds,
             "inner_steps": h,
-            "min_sites": 2,
-            "max_sites": 2,
+            "min_sites": sites,
+            "max_sites": sites,
             "join_window_s": 0.5,
             "deadline_s": 900.0,
         },

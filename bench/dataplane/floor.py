@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,10 +64,10 @@ def serve(tls_dir: Path, nbytes: int) -> None:
     """Serve Up / Down until stdin closes; print the port first."""
     import grpc
 
+    from bench.sync_floor import raw_server
     from coordinator.service import heap
     from wire.bulk import chunk_frame
     from wire.identity import Bundle
-    from wire.net.grpc_options import server_options
 
     heap.return_freed_memory()  # as ``coordinator serve`` does at start
     bundle = Bundle.load(tls_dir)
@@ -85,13 +84,7 @@ def serve(tls_dir: Path, nbytes: int) -> None:
         "Up": grpc.stream_unary_rpc_method_handler(up, _raw, _raw),
         "Down": grpc.unary_stream_rpc_method_handler(down, _raw, _raw),
     }
-    server = grpc.server(futures.ThreadPoolExecutor(8), options=server_options())
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
-    creds = grpc.ssl_server_credentials(
-        [(bundle.key, bundle.cert)], root_certificates=bundle.ca, require_client_auth=True
-    )
-    port = server.add_secure_port("127.0.0.1:0", creds)
-    server.start()
+    server, port = raw_server(bundle, SERVICE, handlers, 8)
     print(port, flush=True)
     sys.stdin.read()
     server.stop(0)
@@ -101,15 +94,12 @@ def client(tls_dir: Path, port: int, nbytes: int) -> None:
     """Wait for a line on stdin, push; wait for another, fetch; print each phase's CPU."""
     import grpc
 
+    from bench.sync_floor import raw_channel
     from wire.bulk import chunk_frame
     from wire.identity import Bundle
-    from wire.net.grpc_options import channel_options
 
-    bundle = Bundle.load(tls_dir)
-    creds = grpc.ssl_channel_credentials(bundle.ca, bundle.key, bundle.cert)
-    options = [*channel_options(), ("grpc.ssl_target_name_override", "127.0.0.1")]
     blob = memoryview(bytes(CHUNK))
-    with grpc.secure_channel(f"127.0.0.1:{port}", creds, options=options) as channel:
+    with raw_channel(Bundle.load(tls_dir), port) as channel:
         up = channel.stream_unary(f"/{SERVICE}/Up", _raw, _raw)
         down = channel.unary_stream(f"/{SERVICE}/Down", _raw, _raw)
         grpc.channel_ready_future(channel).result(timeout=30)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.dataplane.sampler import Sampler
-from bench.sync_run import _toml, _wait_address
+from bench.sync_run import _wait_address, job_config
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = REPO / "bench" / "sync_trainer.py"
@@ -43,31 +43,6 @@ class JobRun:
     checkpoint_s: float  # the coordinator's checkpoint thread, over the measured rounds
     model_bytes: int
     rounds: int
-
-
-def job_toml(width: int, depth: int, sites: int, rounds: int, codec: str) -> str:
-    cfg = {
-        "job": {"name": f"dataplane-{width}x{depth}-{codec}", "state_dir": "state"},
-        "model": {
-            "factory": "bench.sync:residual_stack",
-            "kwargs": {"width": width, "depth": depth},
-        },
-        "strategy": {"name": "diloco"},
-        "rounds": {
-            "total": rounds,
-            "inner_steps": 4,
-            "min_sites": sites,
-            "max_sites": sites,
-            "join_window_s": 0.5,
-            "deadline_s": 900.0,
-        },
-        "timeouts": {"heartbeat_interval_s": 5.0, "lease_ttl_s": 60.0},
-        "server": {"listen": "127.0.0.1:0"},
-    }
-    text = _toml(cfg)
-    if codec == "int8":
-        text += '[compression]\ndefault = "int8"\n\n[compression.downlink]\ndefault = "int8"\n'
-    return text
 
 
 def make_pki(folder: Path, sites: int) -> None:
@@ -101,7 +76,8 @@ def run_job(
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     make_pki(folder, sites)
-    (folder / "job.toml").write_text(job_toml(width, depth, sites, rounds, codec))
+    timeouts = {"heartbeat_interval_s": 5.0, "lease_ttl_s": 60.0}
+    (folder / "job.toml").write_text(job_config(width, depth, rounds, 4, codec, timeouts, sites))
     logs = [open(folder / "coordinator.log", "w")]  # noqa: SIM115 - the children's
     cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(folder / "job.toml")]
     coord = subprocess.Popen(
