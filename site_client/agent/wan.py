@@ -120,7 +120,9 @@ class WanWorker:
         received = self.client.bytes_received
         dest = self.cfg.shm_dir / f"{name}.safetensors"
         try:
+            cpu = time.process_time()
             got = self.client.fetch(info.version, held=held, dest=dest)
+            cpu_s = time.process_time() - cpu
             if got.path is None:  # served in a layout the file could not take: write it out
                 write_tensors(dest, got.theta)
                 file = map_tensors(dest)
@@ -150,7 +152,14 @@ class WanWorker:
             s.progress.phase = "training"
             s.cond.notify_all()
         got_bytes = self.client.bytes_received - received
-        record(self.cfg.run_dir / TIMINGS, "fetch", version=got.version, s=seconds, bytes=got_bytes)
+        record(
+            self.cfg.run_dir / TIMINGS,
+            "fetch",
+            version=got.version,
+            s=seconds,
+            bytes=got_bytes,
+            cpu_s=round(cpu_s, 4),
+        )
         if previous is not None and previous.theta_path != str(got.path):
             # Trainers still reading it keep their mapping: the file goes once they let go.
             Path(previous.theta_path).unlink(missing_ok=True)
@@ -175,7 +184,7 @@ class WanWorker:
         started = time.monotonic()
         sent_before = self.client.bytes_sent
         residuals = residual_snapshot(self.codec_state)
-        outcome, counted = self._send(job)
+        outcome, counted, cpu_s = self._send(job)
         if outcome is None:  # the coordinator is at an earlier round: push it once there
             self.codec_state.load_state_dict(residuals)  # encoded again then, the same
             with s.cond:
@@ -211,6 +220,7 @@ class WanWorker:
             bytes=sent,
             held_s=held_s,
             counted=counted,
+            cpu_s=round(cpu_s, 4),
         )
         log.info(
             "[%s] %s: pushed %.2f MB in %.2fs (%s)",
@@ -221,12 +231,19 @@ class WanWorker:
             outcome,
         )
 
-    def _send(self, job) -> tuple[str | None, bool]:
-        """Push ``job`` (its held payload when it is sent again); the outcome for the log and
-        whether it counted. Outcome None: refused as early, to be pushed later."""
+    def _send(self, job) -> tuple[str | None, bool, float]:
+        """Push ``job`` (its held payload when it is sent again); the outcome for the log,
+        whether it counted and the process's CPU seconds while the push ran (the transfer's
+        cost per byte, without the encoding before it). Outcome None: refused as early, to be
+        pushed later."""
         resend = job.payload is not None and job.part is None  # a part is placed at hand-off
         if job.payload is None:
             job.payload = build_payload(job.paths, self.compression, self.codec_state)
+        cpu = time.process_time()
+        outcome, counted = self._outcome(job, resend)
+        return outcome, counted, time.process_time() - cpu
+
+    def _outcome(self, job, resend: bool) -> tuple[str | None, bool]:
         try:
             reply = self.client.push(
                 job.task.round,
