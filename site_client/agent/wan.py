@@ -116,25 +116,12 @@ class WanWorker:
             # may still map the old one).
             log.warning("[%s] theta_%d changed; fetching it again", self.cfg.site, info.version)
             held, name = None, f"{name}-{info.theta_hash.hex()[:12]}"
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.process_time()
         received = self.client.bytes_received
-        dest = self.cfg.shm_dir / f"{name}.safetensors"
-        try:
-            cpu = time.process_time()
-            got = self.client.fetch(info.version, held=held, dest=dest)
-            cpu_s = time.process_time() - cpu
-            if got.path is None:  # served in a layout the file could not take: write it out
-                write_tensors(dest, got.theta)
-                file = map_tensors(dest)
-                got = GlobalState(got.version, file.tensors, got.theta_hash, dest, file)
-        except CoordinatorError as exc:
-            if exc.code != grpc.StatusCode.NOT_FOUND:
-                raise
-            # The coordinator moved on since we last heard; ask it where to.
-            log.info("[%s] %s; asking for the round again", self.cfg.site, exc)
-            reply = self.client.heartbeat()
-            s.heard(reply.round, reply.commands)
+        got = self._fetch_into(info, held, self.cfg.shm_dir / f"{name}.safetensors")
+        if got is None:
             return
+        cpu_s = time.process_time() - cpu
         seconds = time.monotonic() - started
         with s.cond:
             s.transfers.add("fetch", seconds)
@@ -173,6 +160,25 @@ class WanWorker:
         )
         if info.finished:
             self.write_final(got.version, got.theta_hash.hex())
+
+    def _fetch_into(self, info, held: GlobalState | None, dest: Path) -> GlobalState | None:
+        """Theta ``info.version`` into ``dest``; None when it is no longer served (the round
+        was asked for again)."""
+        try:
+            got = self.client.fetch(info.version, held=held, dest=dest)
+            if got.path is None:  # served in a layout the file could not take: write it out
+                write_tensors(dest, got.theta)
+                file = map_tensors(dest)
+                got = GlobalState(got.version, file.tensors, got.theta_hash, dest, file)
+            return got
+        except CoordinatorError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            # The coordinator moved on since we last heard; ask it where to.
+            log.info("[%s] %s; asking for the round again", self.cfg.site, exc)
+            reply = self.client.heartbeat()
+            self.state.heard(reply.round, reply.commands)
+            return None
 
     def push(self) -> None:
         s = self.state
