@@ -10,7 +10,8 @@ import torch
 from test_parallel_push import client, coord, pki
 
 from site_client.errors import CoordinatorError
-from site_client.transfer.node_fetch import Box, byte_span, fetch_boxes, ranges_for, split_ranges
+from site_client.transfer.node_fetch import Box, byte_span, fetch_boxes, ranges_for
+from site_client.transfer.plan import split_ranges
 from wire.safetensors_io import map_tensors
 from wire.tensors import Manifest, PayloadError, TensorEntry
 from wire.transfer import Piece

@@ -17,7 +17,7 @@ over their own process group, and it does for its host only what needs the WAN:
     shard files encoded as this node's part (``site_client.agent.node_parts``).
 ``push_part`` (``round``, ``data_unit``, ``layout``, ``upload_id``, ``weight``,
     ``base_version``, ``lease``) -> ``{}`` at once; the part goes up in the background
-    (``site_client.transfer.node_push``). A part that cannot be sent fails the agent, and the next
+    (``site_client.transfer.push``). A part that cannot be sent fails the agent, and the next
     request of the trainers says why.
 """
 

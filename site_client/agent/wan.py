@@ -28,7 +28,7 @@ from site_client.agent.tasks import describe, task_of
 from site_client.agent.update_payload import build_payload, residual_snapshot
 from site_client.errors import CoordinatorError, PartsStalled, PushAborted
 from site_client.timings import record
-from site_client.transfer.theta_fetch import GlobalState
+from site_client.transfer.theta import GlobalState
 from wire.backoff import DeadlineExceeded
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig

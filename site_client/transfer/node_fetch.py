@@ -10,12 +10,12 @@ byte ranges that cover them:
 2. Each box becomes the span of the payload from its first element to its last (a shard of
    rows is exactly its bytes; a box of columns a little more), rounded out to whole blocks and
    merged (``ranges_for``).
-3. The ranges, cut into pieces of whole blocks (``split_ranges``), are fetched over
-   ``[transfer] streams`` as a whole payload's pieces are (``site_client.transfer.piece_streams``:
-   each ranged fetch resumable, its header checked against the first, the next one asked for ahead
-   of the current one's end) into theta's mapped file; every block fetched must hash to its
-   digest. The bytes of blocks not fetched stay zero, and no trainer of this host
-   reads them.
+3. The ranges, cut into pieces of whole blocks (``plan.split_ranges``), are this node's list
+   of pieces for the transfer engine (``site_client.transfer.engine``), fetched over
+   ``[transfer] streams`` as a whole payload's pieces are (each ranged fetch resumable, its
+   header checked against the first, the next one asked for ahead of the current one's end)
+   into theta's mapped file; every block fetched must hash to its digest. The bytes of blocks
+   not fetched stay zero, and no trainer of this host reads them.
 
 The version and theta hash must be the ones node 0 was given (the driver's task).
 """
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,13 +31,16 @@ from pathlib import Path
 import torch
 
 from site_client.errors import CoordinatorError
-from site_client.transfer.piece_streams import PieceStreams
-from site_client.transfer.theta_fetch import MappedSink
-from wire.chunking import ChunkError
+from site_client.transfer.endpoints import coordinator_endpoint
+from site_client.transfer.engine import Tally, Transfer
+from site_client.transfer.movers import FetchMover, first_header
+from site_client.transfer.plan import routed, split_ranges
+from site_client.transfer.progress import TransferProgress
+from site_client.transfer.theta import MappedSink, fetch_label
 from wire.proto import isthmus_pb2 as pb
 from wire.safetensors_io import create_mapped
 from wire.tensors import DTYPES, Manifest, PayloadError, state_hash
-from wire.transfer import PIECES_PER_STREAM, Piece, ReceivedRanges
+from wire.transfer import Piece, ReceivedRanges
 
 
 @dataclass(frozen=True, order=True)
@@ -90,50 +91,18 @@ def ranges_for(manifest: Manifest, boxes: Iterable[Box], block: int) -> list[Pie
     return [Piece(start, end - start) for start, end in covered.spans]
 
 
-def split_ranges(ranges: list[Piece], block: int, streams: int) -> list[Piece]:
-    """``ranges`` cut at whole blocks into pieces of about ``PIECES_PER_STREAM`` per stream,
-    so that K streams share a few large ranges as they share a whole payload."""
-    total = sum(r.length for r in ranges)
-    if streams <= 1 or not total:
-        return ranges
-    most = max(block, -(-total // (PIECES_PER_STREAM * streams * block)) * block)
-    return [
-        Piece(start, min(most, r.end - start))
-        for r in ranges
-        for start in range(r.offset, r.end, most)
-    ]
-
-
-def first_header(client, version: int) -> pb.FetchHeader:
-    """The header of theta ``version`` with its block digests (one byte of payload asked for)."""
-
-    def ask() -> pb.FetchHeader:
-        req = pb.FetchRequest(lease=client.lease, version=version, offset=0, length=1)
-        req.block_digests = True
-        # The coordinator may wait for a send slot, and hash theta's blocks, before it answers.
-        frames = client.bulk.Fetch(req, timeout=client.transfer_timeout_s)
-        try:
-            first = next(frames, None)
-        finally:
-            frames.cancel()
-        if first is None:
-            raise ChunkError("a fetch stream ended before its header")
-        return pb.FetchHeader.FromString(first)
-
-    return client.call("fetch", ask)
-
-
 def fetch_boxes(client, version: int, theta_hash: str, boxes: list[Box] | None, dest: Path) -> int:
     """Theta ``version``'s bytes that hold ``boxes`` (None: all of it) into a new safetensors
     file at ``dest``; returns how many payload bytes were fetched."""
-    started = time.monotonic()
-    first = first_header(client, version)
-    rtt_s = time.monotonic() - started  # what each stream asks ahead by
-    if first.version != version or first.theta_hash.hex() != theta_hash:
+    req = pb.FetchRequest(lease=client.lease, version=version, offset=0, length=1)
+    req.block_digests = True  # the coordinator may hash theta's blocks before it answers
+    first = client.call("fetch", lambda: first_header(client, req, drain=True))
+    header = first.header
+    if header.version != version or header.theta_hash.hex() != theta_hash:
         raise CoordinatorError(None, f"fetch: theta_{version} is not the one node 0 was given")
     try:
-        manifest = Manifest.from_proto(first.manifest)
-        block, digests = int(first.block_bytes), list(first.block_sha256)
+        manifest = Manifest.from_proto(header.manifest)
+        block, digests = int(header.block_bytes), list(header.block_sha256)
         if block <= 0 or len(digests) != -(-manifest.total_bytes // block):
             raise PayloadError(f"{len(digests)} block digests of {block} bytes for the payload")
         whole = [Piece(0, manifest.total_bytes)] if manifest.total_bytes else []
@@ -143,29 +112,29 @@ def fetch_boxes(client, version: int, theta_hash: str, boxes: list[Box] | None, 
     except PayloadError as exc:
         raise CoordinatorError(None, f"fetch: bad payload from coordinator: {exc}") from exc
     sink = MappedSink(file)
-    moved = _Moved(client)
-    PieceStreams(client, first, rtt_s, moved.count).run(pieces, sink)
-    view = sink.view
+    progress = TransferProgress()
+    progress.start(f"{fetch_label(header)} (this node's part)", sum(p.length for p in pieces))
+    tally = Tally(client, progress, sent=False)
+    streams = client.transfer.streams
+    mover = FetchMover(client, header, sink)
+    try:
+        endpoint = coordinator_endpoint(client, streams)
+        Transfer(client, mover, tally, streams, first.rtt_s).run(routed(pieces, endpoint))
+    finally:
+        progress.finish(tally.total >= sum(p.length for p in pieces))
+    _check_blocks(sink.view, pieces, block, digests, version)
+    if boxes is None and state_hash(file.tensors).hex() != theta_hash:
+        raise CoordinatorError(None, f"fetch: theta_{version} does not match its hash")
+    return tally.total
+
+
+def _check_blocks(view, pieces: list[Piece], block: int, digests: list[bytes], version: int):
+    """Raise unless every block the pieces cover hashes to its digest."""
+    total = len(view)
     for piece in pieces:
         for b in range(piece.offset // block, -(-piece.end // block)):
-            data = view[b * block : min((b + 1) * block, manifest.total_bytes)]
+            data = view[b * block : min((b + 1) * block, total)]
             if hashlib.sha256(data).digest() != digests[b]:
                 raise CoordinatorError(
                     None, f"fetch: block {b} of theta_{version} does not match its digest"
                 )
-    if boxes is None and state_hash(file.tensors).hex() != theta_hash:
-        raise CoordinatorError(None, f"fetch: theta_{version} does not match its hash")
-    return moved.total
-
-
-class _Moved:
-    """Payload bytes received, counted from every stream's thread."""
-
-    def __init__(self, client) -> None:
-        self.client, self.total = client, 0
-        self._lock = threading.Lock()
-
-    def count(self, n: int) -> None:
-        with self._lock:
-            self.client.bytes_received += n
-            self.total += n
