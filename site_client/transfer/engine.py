@@ -125,6 +125,7 @@ class Transfer:
         self.client, self.mover, self.tally = client, mover, tally
         self.streams, self.rtt_s = streams, rtt_s
         self.opened_ahead = 0  # pieces whose call was made before the one before them ended
+        self.queue = PieceQueue(())
         self._lock = threading.Lock()
 
     def run(self, pieces: list[RoutedPiece], first_call=None) -> None:
@@ -135,7 +136,7 @@ class Transfer:
         if first_call is not None and pieces:
             first = PieceRun(self, 0, pieces[0])
             first.call, pieces = first_call, pieces[1:]
-        queue = PieceQueue(pieces)
+        queue = self.queue = PieceQueue(pieces)
         endgame = Endgame(self.rtt_s) if self.mover.schedule.endgame else None
         errors: list[BaseException] = []
         count = min(len(pieces) + (first is not None), self.streams)
@@ -241,8 +242,8 @@ class PieceRun:
         return self.race is not None and self.race.won.is_set()
 
     def transfer_stopped(self) -> bool:
-        queue = self.ahead.queue if self.ahead is not None else None
-        return queue is not None and queue.stopped.is_set()
+        """Whether another stream of the transfer failed."""
+        return self.transfer.queue.stopped.is_set()
 
     def run(self) -> None:
         self.transfer.client.call(self.mover.describe, self._attempt)

@@ -33,7 +33,7 @@ import torch
 from site_client.errors import CoordinatorError
 from site_client.transfer.endpoints import coordinator_endpoint
 from site_client.transfer.engine import Tally, Transfer
-from site_client.transfer.movers import FetchMover, first_header
+from site_client.transfer.movers import FetchMover, FirstHeader, first_header
 from site_client.transfer.plan import routed, split_ranges
 from site_client.transfer.progress import TransferProgress
 from site_client.transfer.theta import MappedSink, fetch_label
@@ -94,9 +94,13 @@ def ranges_for(manifest: Manifest, boxes: Iterable[Box], block: int) -> list[Pie
 def fetch_boxes(client, version: int, theta_hash: str, boxes: list[Box] | None, dest: Path) -> int:
     """Theta ``version``'s bytes that hold ``boxes`` (None: all of it) into a new safetensors
     file at ``dest``; returns how many payload bytes were fetched."""
-    req = pb.FetchRequest(lease=client.lease, version=version, offset=0, length=1)
-    req.block_digests = True  # the coordinator may hash theta's blocks before it answers
-    first = client.call("fetch", lambda: first_header(client, req, drain=True))
+
+    def ask() -> FirstHeader:
+        req = pb.FetchRequest(lease=client.lease, version=version, offset=0, length=1)
+        req.block_digests = True  # the coordinator may hash theta's blocks before it answers
+        return first_header(client, req, drain=True)
+
+    first = client.call("fetch", ask)
     header = first.header
     if header.version != version or header.theta_hash.hex() != theta_hash:
         raise CoordinatorError(None, f"fetch: theta_{version} is not the one node 0 was given")

@@ -40,7 +40,7 @@ import torch
 from site_client.errors import CoordinatorError
 from site_client.transfer.endpoints import coordinator_endpoint
 from site_client.transfer.engine import Tally, Transfer
-from site_client.transfer.movers import FetchMover, PayloadChanged, first_header
+from site_client.transfer.movers import FetchMover, FirstHeader, PayloadChanged, first_header
 from site_client.transfer.plan import routed
 from site_client.transfer.progress import TransferProgress
 from wire.chunking import BufferSink
@@ -222,14 +222,19 @@ class ThetaFetcher:
         """The first header, then every piece of the payload it heads, into a new sink."""
         c = self.client
         streams = c.transfer.streams
-        req = pb.FetchRequest(lease=c.lease, offset=0)
-        if version is not None:
-            req.version = version
-        if from_version is not None:
-            req.from_version = from_version
-        if streams > 1:
-            req.length = 1  # a probe: the header, and the first byte, which its piece brings
-        first = c.call("fetch", lambda: first_header(c, req, drain=streams > 1))
+
+        def ask() -> FirstHeader:
+            # Built at each attempt: a retry after a re-join carries the new lease.
+            req = pb.FetchRequest(lease=c.lease, offset=0)
+            if version is not None:
+                req.version = version
+            if from_version is not None:
+                req.from_version = from_version
+            if streams > 1:
+                req.length = 1  # a probe: the header, and the first byte, which its piece brings
+            return first_header(c, req, drain=streams > 1)
+
+        first = c.call("fetch", ask)
         header = first.header
         manifest = Manifest.from_proto(header.manifest)
         inner = _sink_for(manifest, header.HasField("from_version"), dest)
