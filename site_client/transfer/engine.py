@@ -140,16 +140,15 @@ class Transfer:
         endgame = Endgame(self.rtt_s) if self.mover.schedule.endgame else None
         errors: list[BaseException] = []
         count = min(len(pieces) + (first is not None), self.streams)
+        streams = [(i, queue, endgame, errors, first if i == 0 else None) for i in range(count)]
+        if count == 1:  # one stream: this thread's own
+            self._stream(*streams[0])
         threads = [
-            threading.Thread(
-                target=self._stream,
-                args=(i, queue, endgame, errors, first if i == 0 else None),
-                name=f"{self.mover.describe}-stream-{i}",
-                daemon=True,
-            )
-            for i in range(count)
+            threading.Thread(target=self._stream, args=args, name=f"{self.mover.describe}-{i}")
+            for i, args in enumerate(streams if count > 1 else [])
         ]
         for t in threads:
+            t.daemon = True
             t.start()
         for t in threads:
             t.join()

@@ -40,7 +40,8 @@ from wire.transfer import Piece
 
 class NextPiece:
     """The next piece of one stream, taken from ``queue`` and opened (``open_call``) at the
-    time ``plan.next_call_delay`` names, by a timer thread of its own; ``close`` at the end.
+    time ``plan.next_call_delay`` names, by a timer thread of its own (started the first time
+    a call is due: a transfer of one piece never needs it); ``close`` at the end.
 
     Parameters
     ----------
@@ -71,19 +72,24 @@ class NextPiece:
         self._due: float | None = None
         self._opened: tuple[Piece, object] | None = None
         self._closed = False
-        self._timer = threading.Thread(target=self._wait, name="next-piece", daemon=True)
-        self._timer.start()
+        self._timer: threading.Thread | None = None
 
     def progress(self, nbytes: int, remaining: int, fresh: bool = False) -> None:
         """``nbytes`` of the current piece moved (0: its header), ``remaining`` to come;
         ``fresh``: the header of a call made only now (the stream sat idle before it)."""
         if fresh:
             self.pace.restart()
-        self.pace.mark(nbytes)
+        self.pace.mark(nbytes)  # the endgame weighs the rate even with nothing left to take
+        if self.queue.empty():
+            return
         delay = next_call_delay(remaining, self.pace.rate(), self.lead_s)
         with self._cond:
-            if self._opened is None and delay is not None:
+            if self._opened is None and delay is not None and not self._closed:
                 self._due = self.clock() + delay
+                if self._timer is None:
+                    self._timer = threading.Thread(target=self._wait, name="next-piece")
+                    self._timer.daemon = True
+                    self._timer.start()
                 self._cond.notify()
 
     def _wait(self) -> None:

@@ -90,6 +90,10 @@ class PieceQueue:
                 return None
             return self._pieces.popleft()
 
+    def empty(self) -> bool:
+        with self._lock:
+            return self.stopped.is_set() or not self._pieces
+
     def put_back(self, piece) -> None:
         """A piece taken but not moved: the next ``take`` hands it out again."""
         with self._lock:
