@@ -26,7 +26,8 @@ import torch
 from site_client.agent.update_payload import UpdatePayload, payload_of
 from site_client.errors import CoordinatorError, PushAborted, TlsRefused
 from site_client.transfer.endpoints import FollowingStub, StreamChannels, UploadConnection
-from site_client.transfer.push import SitePart, UpdatePush, lost_race
+from site_client.transfer.node import SitePart
+from site_client.transfer.push import UpdatePush, lost_race
 from site_client.transfer.theta import GlobalState, ThetaFetcher
 from wire.backoff import BackoffPolicy, retry
 from wire.bulk import BulkStub

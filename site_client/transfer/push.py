@@ -15,9 +15,10 @@ configurations of that one path:
   that piece only (``PushHeader.piece``); once every piece is in and ``hold`` is set, a
   reservation again: the coordinator, holding every byte, checks the payload's SHA-256 and
   counts it as it counts a single stream's;
-- a host of a multi-node site (``SitePart``): its own part's pieces, under the site's one upload
-  id; only the reservation of the node that completes the update (node 0) may count it, every
-  other is sent ``keep_open``, and the completing node asks until every part is in.
+- a host of a multi-node site (``node.SitePart``): its own part's pieces, under the site's one
+  upload id; only the reservation of the node that completes the update (node 0) may count
+  it, every other is sent ``keep_open``, and the completing node asks until every part is in
+  (``node.await_parts``).
 
 ``abort`` is read between chunks (another copy of the data unit won: stop sending). ``hold``
 keeps the update from counting until it is set (the site's checkpoint of the task is on disk):
@@ -38,15 +39,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import grpc
 
 from site_client.agent.update_payload import UpdatePayload
-from site_client.errors import CoordinatorError, PartsStalled, PushAborted
+from site_client.errors import CoordinatorError, PushAborted
 from site_client.transfer.endpoints import COORDINATOR
 from site_client.transfer.engine import Tally, Transfer
 from site_client.transfer.movers import PushMover
+from site_client.transfer.node import SitePart, await_parts, held_ranges
 from site_client.transfer.plan import Endpoint, routed
 from site_client.transfer.progress import TransferProgress
 from wire.bulk import RESERVE_WAIT_S, chunk_frame
@@ -55,30 +56,6 @@ from wire.proto import isthmus_pb2 as pb
 from wire.transfer import Piece, ReceivedRanges, plan_pieces
 
 COMMITTED_BY = "isthmus-committed-by"
-POLL_S = 0.05  # between the completing node's asks while other parts arrive
-POLL_CAP_S = 1.0
-# The other hosts' parts stopped arriving this long: the update is withdrawn (a host whose
-# part was refused, or lost with its agent, does not send it again).
-STALL_S = 300.0
-
-
-@dataclass(frozen=True)
-class SitePart:
-    """This host's bytes ``[offset, offset + length)`` of the site's payload; ``completes``:
-    this host's reservation counts the update once every part is in."""
-
-    offset: int
-    length: int
-    completes: bool
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
-
-    def pieces(self, chunk_bytes: int, streams: int) -> list[Piece]:
-        """The part as pieces for ``streams`` streams, at its place in the payload."""
-        planned = plan_pieces(self.length, chunk_bytes, streams)
-        return [Piece(self.offset + p.offset, p.length) for p in planned]
 
 
 def committed_by(exc: BaseException) -> str:
@@ -86,11 +63,6 @@ def committed_by(exc: BaseException) -> str:
     cause = exc.__cause__ if isinstance(exc, CoordinatorError) else exc
     meta = cause.trailing_metadata() if isinstance(cause, grpc.RpcError) else None
     return next((str(v) for k, v in meta or () if k == COMMITTED_BY), "")
-
-
-def held_ranges(reply: pb.PushReply) -> ReceivedRanges:
-    """What of the payload a reply says the coordinator holds."""
-    return ReceivedRanges([(r.offset, r.offset + r.length) for r in reply.received])
 
 
 class UpdatePush:
@@ -208,39 +180,11 @@ class UpdatePush:
         if not self.wait_for_hold():
             raise self.withdrawn()
         if self.part is not None:
-            return self._await_parts()
+            return await_parts(self, self.part)
         reply = self.reserve()  # with every byte in: verified and counted
         if not reply.complete:
             raise ChunkError(f"push incomplete after every piece was sent: {reply.message}")
         return reply
-
-    def _await_parts(self) -> pb.PushReply:
-        """Ask until the update counts: the other nodes' parts may still be arriving. Once
-        they stop arriving for ``STALL_S``, the update is withdrawn (``PartsStalled``)."""
-        part, delay = self.part, POLL_S
-        covered, since = -1, time.monotonic()
-        while True:
-            asked = time.monotonic()
-            reply = self.reserve()
-            if reply.complete:
-                return reply
-            if time.monotonic() - asked > POLL_CAP_S:  # waited for a slot: so did the others
-                since = time.monotonic()
-            held = held_ranges(reply)
-            if held.covered_in(part.offset, part.end) < part.length:
-                raise ChunkError(f"this node's part is not all in: {reply.message}")
-            if self.abort():
-                raise self.withdrawn()
-            if held.covered() != covered:
-                covered, since = held.covered(), time.monotonic()
-            elif time.monotonic() - since > STALL_S:
-                raise PartsStalled(
-                    f"push of round {self.round}: the site's other hosts' parts stopped "
-                    f"arriving ({covered} of {self.payload.total_bytes} bytes in for "
-                    f"{STALL_S:g}s)"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, POLL_CAP_S)
 
     def pieces(self) -> list[Piece]:
         """The pieces of the payload for ``[transfer] streams`` (one for a small payload)."""

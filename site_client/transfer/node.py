@@ -1,6 +1,7 @@
-"""Fetching only the bytes of theta a host's trainers hold: a node of a multi-node site.
+"""A node of a multi-node site as the transfer engine sees it: the ranges of theta its
+trainers hold, fetched; its part of the site's update, pushed.
 
-Node 0 fetches theta whole and checks it against theta's hash. Another node's trainers need
+Down. Node 0 fetches theta whole and checks it against theta's hash. Another node's trainers need
 only their own boxes of each tensor (``site_client.trainer.shards``), so its agent fetches only the
 byte ranges that cover them:
 
@@ -18,29 +19,47 @@ byte ranges that cover them:
    not fetched stay zero, and no trainer of this host reads them.
 
 The version and theta hash must be the ones node 0 was given (the driver's task).
+
+Up. Every node of the site pushes the bytes of its own part (``SitePart``, from
+``wire.payload_parts``), under the site's one upload id and lease, as pieces over its own
+connections (``site_client.transfer.push``): no host relays another's bytes. The coordinator
+holds one upload for the site and counts it once, when every part is in and verified, through
+the reservation of the node that completes the update (node 0, the one holding the site's
+lease and hearing when its trainers' checkpoint is on disk). Every other reservation is sent
+``keep_open``: it may not count the update, whatever arrived. A node that does not complete
+is done once its part is in; the completing one waits for ``hold`` (its checkpoint), then asks
+again until the coordinator, holding every part, has counted the update (``await_parts``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from site_client.errors import CoordinatorError
+from site_client.errors import CoordinatorError, PartsStalled
 from site_client.transfer.endpoints import coordinator_endpoint
 from site_client.transfer.engine import Tally, Transfer
 from site_client.transfer.movers import FetchMover, FirstHeader, first_header
 from site_client.transfer.plan import routed, split_ranges
 from site_client.transfer.progress import TransferProgress
 from site_client.transfer.theta import MappedSink, fetch_label
+from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
 from wire.safetensors_io import create_mapped
 from wire.tensors import DTYPES, Manifest, PayloadError, state_hash
-from wire.transfer import Piece, ReceivedRanges
+from wire.transfer import Piece, ReceivedRanges, plan_pieces
+
+POLL_S = 0.05  # between the completing node's asks while other parts arrive
+POLL_CAP_S = 1.0
+# The other hosts' parts stopped arriving this long: the update is withdrawn (a host whose
+# part was refused, or lost with its agent, does not send it again).
+STALL_S = 300.0
 
 
 @dataclass(frozen=True, order=True)
@@ -142,3 +161,57 @@ def _check_blocks(view, pieces: list[Piece], block: int, digests: list[bytes], v
                 raise CoordinatorError(
                     None, f"fetch: block {b} of theta_{version} does not match its digest"
                 )
+
+
+@dataclass(frozen=True)
+class SitePart:
+    """This host's bytes ``[offset, offset + length)`` of the site's payload; ``completes``:
+    this host's reservation counts the update once every part is in."""
+
+    offset: int
+    length: int
+    completes: bool
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def pieces(self, chunk_bytes: int, streams: int) -> list[Piece]:
+        """The part as pieces for ``streams`` streams, at its place in the payload."""
+        planned = plan_pieces(self.length, chunk_bytes, streams)
+        return [Piece(self.offset + p.offset, p.length) for p in planned]
+
+
+def held_ranges(reply: pb.PushReply) -> ReceivedRanges:
+    """What of the payload a reply says the coordinator holds."""
+    return ReceivedRanges([(r.offset, r.offset + r.length) for r in reply.received])
+
+
+def await_parts(push, part: SitePart) -> pb.PushReply:
+    """Ask until ``push`` (a ``push.UpdatePush``, its ``hold`` set) counts: the other nodes'
+    parts may still be arriving. Once they stop arriving for ``STALL_S``, the update is
+    withdrawn (``PartsStalled``)."""
+    delay = POLL_S
+    covered, since = -1, time.monotonic()
+    while True:
+        asked = time.monotonic()
+        reply = push.reserve()
+        if reply.complete:
+            return reply
+        if time.monotonic() - asked > POLL_CAP_S:  # waited for a slot: so did the others
+            since = time.monotonic()
+        held = held_ranges(reply)
+        if held.covered_in(part.offset, part.end) < part.length:
+            raise ChunkError(f"this node's part is not all in: {reply.message}")
+        if push.abort():
+            raise push.withdrawn()
+        if held.covered() != covered:
+            covered, since = held.covered(), time.monotonic()
+        elif time.monotonic() - since > STALL_S:
+            raise PartsStalled(
+                f"push of round {push.round}: the site's other hosts' parts stopped "
+                f"arriving ({covered} of {push.payload.total_bytes} bytes in for "
+                f"{STALL_S:g}s)"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, POLL_CAP_S)
