@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 from coord_harness import FAST_BACKOFF
-from test_parallel_fetch import ScriptedCoordinator
+from test_parallel_fetch import ScriptedCoordinator, _probe
 from test_parallel_push import ScriptedReceiver
 
 from site_client.agent.update_payload import payload_of
@@ -137,6 +137,27 @@ def test_a_refused_piece_stops_every_stream_and_the_error_comes_back():
         with pytest.raises(CoordinatorError, match="version 6, the first stream's 5") as err:
             Transfer(c, mover, tally, 2).run(routed(plan_pieces(total, MB, 2), endpoint))
         assert err.value.code != grpc.StatusCode.NOT_FOUND  # refused, not "gone"
+        c.close()
+    finally:
+        fake.stop()
+
+
+def test_a_version_made_again_under_a_k_stream_fetch_starts_it_over():
+    probes = []
+
+    def header_for(fake, request):
+        if _probe(request):
+            probes.append(request)
+            if len(probes) == 1:  # the version as it was before a restart made it again
+                return fake.header(theta_hash=b"\x01" * 32)
+        return fake.header()
+
+    fake = ScriptedCoordinator(header_for)
+    try:
+        c = fake.site()
+        got = c.fetch()
+        assert len(probes) == 2 and got.theta_hash == fake.theta_hash
+        assert torch.equal(got.theta["w"], fake.theta["w"])
         c.close()
     finally:
         fake.stop()

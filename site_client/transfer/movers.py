@@ -184,6 +184,11 @@ class FetchMover:
             )
 
 
+def held_ranges(reply: pb.PushReply) -> ReceivedRanges:
+    """What of the payload a push reply says the coordinator holds."""
+    return ReceivedRanges([(r.offset, r.offset + r.length) for r in reply.received])
+
+
 class PushCall:
     """One push stream on one connection: carried in the stream's own thread (``result``), or
     started ahead in a thread of its own (``start``) while the piece before it still waits for

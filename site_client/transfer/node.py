@@ -45,7 +45,7 @@ import torch
 from site_client.errors import CoordinatorError, PartsStalled
 from site_client.transfer.endpoints import coordinator_endpoint
 from site_client.transfer.engine import Tally, Transfer
-from site_client.transfer.movers import FetchMover, FirstHeader, first_header
+from site_client.transfer.movers import FetchMover, FirstHeader, first_header, held_ranges
 from site_client.transfer.plan import routed, split_ranges
 from site_client.transfer.progress import TransferProgress
 from site_client.transfer.theta import MappedSink, fetch_label
@@ -180,11 +180,6 @@ class SitePart:
         """The part as pieces for ``streams`` streams, at its place in the payload."""
         planned = plan_pieces(self.length, chunk_bytes, streams)
         return [Piece(self.offset + p.offset, p.length) for p in planned]
-
-
-def held_ranges(reply: pb.PushReply) -> ReceivedRanges:
-    """What of the payload a reply says the coordinator holds."""
-    return ReceivedRanges([(r.offset, r.offset + r.length) for r in reply.received])
 
 
 def await_parts(push, part: SitePart) -> pb.PushReply:

@@ -46,8 +46,8 @@ from site_client.agent.update_payload import UpdatePayload
 from site_client.errors import CoordinatorError, PushAborted
 from site_client.transfer.endpoints import COORDINATOR
 from site_client.transfer.engine import Tally, Transfer
-from site_client.transfer.movers import PushMover
-from site_client.transfer.node import SitePart, await_parts, held_ranges
+from site_client.transfer.movers import PushMover, held_ranges
+from site_client.transfer.node import SitePart, await_parts
 from site_client.transfer.plan import Endpoint, routed
 from site_client.transfer.progress import TransferProgress
 from wire.bulk import RESERVE_WAIT_S, chunk_frame
