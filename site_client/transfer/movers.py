@@ -38,8 +38,10 @@ from wire.proto import isthmus_pb2 as pb
 from wire.transfer import ReceivedRanges
 
 FETCH = Schedule(lead_rtts=LEAD_RTTS, endgame=True, withdraw_on_break=True)
-# A push piece's next one follows once its last chunk is handed over; two pieces of one stream
-# never overlap on the coordinator's side, so no stream races another's.
+# A push's next piece follows once its last chunk is handed over. The ranges one upload
+# receives at once must be disjoint (the coordinator refuses a clash), so no stream races
+# another's piece; and a broken piece leaves its stream's next push going, which holds no slot
+# its retry needs (a site may have 2 K push streams open).
 PUSH = Schedule(lead_rtts=None, endgame=False, withdraw_on_break=False)
 
 
