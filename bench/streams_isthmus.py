@@ -65,7 +65,7 @@ def site(address: str, width: int, depth: int, rounds: int, streams: list[int]) 
             t = time.monotonic()
             theta = client.fetch(dest=dest).theta  # theta_r, whole
             # The payload's bytes, not the bytes received: a piece one stream takes over from
-            # another at the end of a fetch may come twice (site_client.transfer.fetch_endgame).
+            # another at the end of a fetch may come twice (site_client.transfer.overlap).
             took = (time.monotonic() - t, sum(v.nbytes for v in theta.values()))
             timings["fetch"].setdefault(str(k), []).append(took)
             t = time.monotonic()

@@ -232,6 +232,9 @@ def _phases(folder: Path) -> dict[str, float]:
             add(f"agent {t['kind']}", t["s"])
             if t["kind"] == "push":
                 add("agent push: waiting for the checkpoint", t.get("held_s", 0.0))
+            if t.get("cpu_s") is not None and t.get("bytes"):
+                # The agent's own CPU over the transfer call, per GB moved (not seconds).
+                add(f"agent {t['kind']}: CPU s/GB", t["cpu_s"] / (t["bytes"] / 1e9))
     for e in _events(folder):
         for name, value in (e.get("phases") or {}).items():
             add(f"coordinator {name.removesuffix('_s').replace('_', ' ')}", value)

@@ -37,4 +37,4 @@ class SiteDrained(SystemExit):
 
 class PartsStalled(RuntimeError):
     """A multi-node site's update: the other hosts' parts stopped arriving, so node 0
-    withdrew it (``site_client.transfer.node_push``)."""
+    withdrew it (``site_client.transfer.node``)."""

@@ -1,6 +1,6 @@
 """A parallel fetch's streams ask for their next piece ahead, and at the end take work over
-from a stream lagging behind: the parts without a network (``site_client/transfer/fetch_ahead.py``,
-``site_client/transfer/fetch_endgame.py``), on an injected clock."""
+from a stream lagging behind: the parts without a network (``site_client/transfer/plan.py``,
+``site_client/transfer/overlap.py``), on an injected clock."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import threading
 
 import pytest
 
-from site_client.transfer.fetch_ahead import LEAD_RTTS, NextPiece, Pace, lead_delay
-from site_client.transfer.fetch_endgame import MARGIN, Endgame, Load, Race, choose, load_of
-from site_client.transfer.fetch_pieces import PieceQueue
+from site_client.transfer.overlap import Endgame, NextPiece, Race, load_of
+from site_client.transfer.plan import LEAD_RTTS, MARGIN, Load, Pace, PieceQueue, choose, lead_delay
 from wire.transfer import Piece
 
 MB = 1 << 20

@@ -1,5 +1,5 @@
 """A node of a multi-node site fetches only the bytes of theta its trainers hold
-(``site_client.transfer.node_fetch``): against a real coordinator over mutual TLS, the boxes land
+(``site_client.transfer.node``): against a real coordinator over mutual TLS, the boxes land
 bit for bit as a whole fetch has them, in whole blocks each checked against its digest, and a box
 that is not theta's is refused before anything is fetched."""
 
@@ -10,7 +10,8 @@ import torch
 from test_parallel_push import client, coord, pki
 
 from site_client.errors import CoordinatorError
-from site_client.transfer.node_fetch import Box, byte_span, fetch_boxes, ranges_for, split_ranges
+from site_client.transfer.node import Box, byte_span, fetch_boxes, ranges_for
+from site_client.transfer.plan import split_ranges
 from wire.safetensors_io import map_tensors
 from wire.tensors import Manifest, PayloadError, TensorEntry
 from wire.transfer import Piece

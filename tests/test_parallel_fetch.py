@@ -17,7 +17,7 @@ from coord_harness import FAST_BACKOFF, CoordinatorProcess, job_config, wait_unt
 from bench.relay import Relay
 from coordinator.service.call_gate import CallLimits
 from site_client.transfer.client import CoordinatorClient, CoordinatorError
-from site_client.transfer.fetch_endgame import Endgame
+from site_client.transfer.overlap import Endgame
 from site_client.transfer.progress import TransferProgress
 from wire import bulk
 from wire.identity import Bundle, init_ca, issue
@@ -114,7 +114,7 @@ def test_k_streams_fetch_theta_bit_identical_to_one(site, tmp_path, streams):
     total = one.file.manifest.total_bytes
     # Every byte once (and the first stream's first byte, which told the size), but for the
     # rest of a piece a stream took over from one lagging behind at the end (each at most
-    # once: fetch_endgame), which a busy machine may make of any stream here.
+    # once: site_client.transfer.overlap), which a busy machine may make of any stream here.
     assert n1 == total and total + 1 <= nk <= total + 1 + streams * MB
     assert progress[0].snapshot().done >= total and progress[0].started_at is None
 
@@ -389,7 +389,8 @@ def test_a_broken_piece_resumes_at_its_next_byte_and_a_replaced_version_starts_o
         ranges = [(r.version, r.offset, r.length) for r in fake.requests if not _probe(r)]
         resumed = [r for r in ranges if r[0] == 6 and r[1] == 2 * MB + fake.SERVED_CHUNK]
         # Resumed at its next byte; the other stream, done with every other piece while this
-        # one waited out its backoff, may have taken the same rest over (fetch_endgame).
+        # one waited out its backoff, may have taken the same rest over
+        # (site_client.transfer.overlap).
         rest = (6, 2 * MB + fake.SERVED_CHUNK, MB - fake.SERVED_CHUNK)
         assert resumed in ([rest], [rest, rest]), repr(ranges)
         assert any(r[0] == 5 for r in ranges)  # pieces of v5 were refused, then v6 fetched
@@ -404,7 +405,7 @@ def test_a_broken_piece_resumes_at_its_next_byte_and_a_replaced_version_starts_o
 def test_a_stalled_piece_is_fetched_again_by_an_idle_stream_and_the_stall_cancelled():
     # One stream is sent its piece's header and nothing more (a connection that lost its
     # window): once the other stream has every other piece, it fetches that piece too, and
-    # the stalled call is cancelled (site_client.transfer.fetch_endgame).
+    # the stalled call is cancelled (site_client.transfer.overlap).
     fake = ScriptedCoordinator(lambda s, r: s.header(), stall_at=0)
     try:
         c = fake.site()

@@ -1,7 +1,7 @@
 """Parallel transfers, the parts without a network: the ``[transfer]`` table, pieces, ranges,
 the checks a site makes on every stream of a parallel fetch, and the coordinator's bookkeeping
-of an upload sent in pieces (``wire/transfer.py``, ``site_client/transfer/fetch_pieces.py``,
-``coordinator/intake/upload_bytes.py``)."""
+of an upload sent in pieces (``wire/transfer.py``, ``site_client/transfer/plan.py``,
+``site_client/transfer/movers.py``, ``coordinator/intake/upload_bytes.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from coordinator.config import load_config
 from coordinator.intake.receive_slots import ReceiveSlots
 from coordinator.intake.upload_bytes import UploadBytes, chunk_refusal
 from coordinator.intake.uploads import stream_clash
-from site_client.transfer.fetch_pieces import PieceQueue, chunk_problem, header_problem
+from site_client.transfer.movers import header_problem
+from site_client.transfer.plan import PieceQueue, chunk_problem
 from wire.chunking import MAX_CHUNK_BYTES, ChunkError
 from wire.config_table import ConfigError
 from wire.proto import isthmus_pb2 as pb

@@ -23,7 +23,7 @@ from site_client.transfer.progress import (
     terminal,
 )
 from site_client.transfer.push import UpdatePush
-from site_client.transfer.theta_fetch import ThetaFetcher
+from site_client.transfer.theta import ThetaFetcher
 from wire.bulk import chunk_frame, parse_chunk
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb

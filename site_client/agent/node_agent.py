@@ -12,12 +12,12 @@ over their own process group, and it does for its host only what needs the WAN:
     ``[compression]`` and ``[transfer]`` rules).
 ``fetch`` (``version``, ``theta_hash``, ``lease``, ``boxes``) -> ``{"theta_path": ...}`` once
     the bytes of that theta holding ``boxes`` (this host's trainers' shards) are in this host's
-    shared memory, each block checked against its digest (``site_client.transfer.node_fetch``).
+    shared memory, each block checked against its digest (``site_client.transfer.node``).
 ``encode`` (``round``, ``data_unit``, ``paths``) -> ``{"part": ...}``: this host's trainers'
     shard files encoded as this node's part (``site_client.agent.node_parts``).
 ``push_part`` (``round``, ``data_unit``, ``layout``, ``upload_id``, ``weight``,
     ``base_version``, ``lease``) -> ``{}`` at once; the part goes up in the background
-    (``site_client.transfer.node_push``). A part that cannot be sent fails the agent, and the next
+    (``site_client.transfer.node``). A part that cannot be sent fails the agent, and the next
     request of the trainers says why.
 """
 
@@ -43,7 +43,7 @@ from site_client.errors import CoordinatorError
 from site_client.local_ipc import Handler, IpcServer
 from site_client.timings import record
 from site_client.transfer.client import CoordinatorClient
-from site_client.transfer.node_fetch import Box, fetch_boxes
+from site_client.transfer.node import Box, fetch_boxes
 from wire.codecs import CodecState
 from wire.transfer import transfer_from_toml
 

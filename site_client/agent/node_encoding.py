@@ -13,7 +13,7 @@ from pathlib import Path
 from site_client.agent.node_parts import NodePart, site_layout
 from site_client.agent.tasks import Task
 from site_client.agent.update_payload import UpdatePayload, build_payload, placed
-from site_client.transfer.node_push import SitePart
+from site_client.transfer.node import SitePart
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
 from wire.proto import isthmus_pb2 as pb

@@ -17,7 +17,7 @@ from pathlib import Path
 from site_client.agent.metrics import ComputeClock, TransferStats
 from site_client.agent.scratch import default_shm_dir
 from site_client.agent.tasks import Task, TaskBook, Upload, describe, task_of, unit_index
-from site_client.transfer.theta_fetch import GlobalState
+from site_client.transfer.theta import GlobalState
 from wire.proto import isthmus_pb2 as pb
 
 log = logging.getLogger("isthmus.site")

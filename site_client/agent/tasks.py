@@ -91,7 +91,7 @@ class Upload:
     redo: bool = False  # withdrawn because the trainers restarted: they train the task again
     durable: threading.Event = field(default_factory=threading.Event)
     payload: object | None = None  # as built for its push (``site_client.agent.update_payload``)
-    # A multi-node site: this host's part (``site_client.transfer.node_push.SitePart``) of the
+    # A multi-node site: this host's part (``site_client.transfer.node.SitePart``) of the
     # payload every node pushes under ``upload_id``.
     part: object | None = None
     upload_id: str | None = None

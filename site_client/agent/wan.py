@@ -28,7 +28,7 @@ from site_client.agent.tasks import describe, task_of
 from site_client.agent.update_payload import build_payload, residual_snapshot
 from site_client.errors import CoordinatorError, PartsStalled, PushAborted
 from site_client.timings import record
-from site_client.transfer.theta_fetch import GlobalState
+from site_client.transfer.theta import GlobalState
 from wire.backoff import DeadlineExceeded
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
@@ -116,23 +116,12 @@ class WanWorker:
             # may still map the old one).
             log.warning("[%s] theta_%d changed; fetching it again", self.cfg.site, info.version)
             held, name = None, f"{name}-{info.theta_hash.hex()[:12]}"
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.process_time()
         received = self.client.bytes_received
-        dest = self.cfg.shm_dir / f"{name}.safetensors"
-        try:
-            got = self.client.fetch(info.version, held=held, dest=dest)
-            if got.path is None:  # served in a layout the file could not take: write it out
-                write_tensors(dest, got.theta)
-                file = map_tensors(dest)
-                got = GlobalState(got.version, file.tensors, got.theta_hash, dest, file)
-        except CoordinatorError as exc:
-            if exc.code != grpc.StatusCode.NOT_FOUND:
-                raise
-            # The coordinator moved on since we last heard; ask it where to.
-            log.info("[%s] %s; asking for the round again", self.cfg.site, exc)
-            reply = self.client.heartbeat()
-            s.heard(reply.round, reply.commands)
+        got = self._fetch_into(info, held, self.cfg.shm_dir / f"{name}.safetensors")
+        if got is None:
             return
+        cpu_s = time.process_time() - cpu
         seconds = time.monotonic() - started
         with s.cond:
             s.transfers.add("fetch", seconds)
@@ -150,7 +139,14 @@ class WanWorker:
             s.progress.phase = "training"
             s.cond.notify_all()
         got_bytes = self.client.bytes_received - received
-        record(self.cfg.run_dir / TIMINGS, "fetch", version=got.version, s=seconds, bytes=got_bytes)
+        record(
+            self.cfg.run_dir / TIMINGS,
+            "fetch",
+            version=got.version,
+            s=seconds,
+            bytes=got_bytes,
+            cpu_s=round(cpu_s, 4),
+        )
         if previous is not None and previous.theta_path != str(got.path):
             # Trainers still reading it keep their mapping: the file goes once they let go.
             Path(previous.theta_path).unlink(missing_ok=True)
@@ -165,6 +161,25 @@ class WanWorker:
         if info.finished:
             self.write_final(got.version, got.theta_hash.hex())
 
+    def _fetch_into(self, info, held: GlobalState | None, dest: Path) -> GlobalState | None:
+        """Theta ``info.version`` into ``dest``; None when it is no longer served (the round
+        was asked for again)."""
+        try:
+            got = self.client.fetch(info.version, held=held, dest=dest)
+            if got.path is None:  # served in a layout the file could not take: write it out
+                write_tensors(dest, got.theta)
+                file = map_tensors(dest)
+                got = GlobalState(got.version, file.tensors, got.theta_hash, dest, file)
+            return got
+        except CoordinatorError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            # The coordinator moved on since we last heard; ask it where to.
+            log.info("[%s] %s; asking for the round again", self.cfg.site, exc)
+            reply = self.client.heartbeat()
+            self.state.heard(reply.round, reply.commands)
+            return None
+
     def push(self) -> None:
         s = self.state
         with s.cond:
@@ -175,7 +190,7 @@ class WanWorker:
         started = time.monotonic()
         sent_before = self.client.bytes_sent
         residuals = residual_snapshot(self.codec_state)
-        outcome, counted = self._send(job)
+        outcome, counted, cpu_s = self._send(job)
         if outcome is None:  # the coordinator is at an earlier round: push it once there
             self.codec_state.load_state_dict(residuals)  # encoded again then, the same
             with s.cond:
@@ -211,6 +226,7 @@ class WanWorker:
             bytes=sent,
             held_s=held_s,
             counted=counted,
+            cpu_s=round(cpu_s, 4),
         )
         log.info(
             "[%s] %s: pushed %.2f MB in %.2fs (%s)",
@@ -221,12 +237,19 @@ class WanWorker:
             outcome,
         )
 
-    def _send(self, job) -> tuple[str | None, bool]:
-        """Push ``job`` (its held payload when it is sent again); the outcome for the log and
-        whether it counted. Outcome None: refused as early, to be pushed later."""
+    def _send(self, job) -> tuple[str | None, bool, float]:
+        """Push ``job`` (its held payload when it is sent again); the outcome for the log,
+        whether it counted and the process's CPU seconds while the push ran (the transfer's
+        cost per byte, without the encoding before it). Outcome None: refused as early, to be
+        pushed later."""
         resend = job.payload is not None and job.part is None  # a part is placed at hand-off
         if job.payload is None:
             job.payload = build_payload(job.paths, self.compression, self.codec_state)
+        cpu = time.process_time()
+        outcome, counted = self._outcome(job, resend)
+        return outcome, counted, time.process_time() - cpu
+
+    def _outcome(self, job, resend: bool) -> tuple[str | None, bool]:
         try:
             reply = self.client.push(
                 job.task.round,

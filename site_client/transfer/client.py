@@ -25,10 +25,10 @@ import torch
 
 from site_client.agent.update_payload import UpdatePayload, payload_of
 from site_client.errors import CoordinatorError, PushAborted, TlsRefused
-from site_client.transfer.node_push import SitePart
+from site_client.transfer.endpoints import FollowingStub, StreamChannels, UploadConnection
+from site_client.transfer.node import SitePart
 from site_client.transfer.push import UpdatePush, lost_race
-from site_client.transfer.stream_channels import FollowingStub, StreamChannels, UploadConnection
-from site_client.transfer.theta_fetch import GlobalState, ThetaFetcher
+from site_client.transfer.theta import GlobalState, ThetaFetcher
 from wire.backoff import BackoffPolicy, retry
 from wire.bulk import BulkStub
 from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError
@@ -141,7 +141,7 @@ class CoordinatorClient:
         self.streams.close()
 
     def stream_stubs(self, streams: int) -> list[FollowingStub]:
-        """Stubs of ``streams`` parallel streams (``site_client.transfer.stream_channels``), each on
+        """Stubs of ``streams`` parallel streams (``site_client.transfer.endpoints``), each on
         a TCP connection of its own and to the address the client uses at each call."""
         return [FollowingStub(self, i) for i in range(streams)]
 
@@ -331,7 +331,7 @@ class CoordinatorClient:
         self, version: int | None = None, held: GlobalState | None = None, dest: Path | None = None
     ) -> GlobalState:
         """theta (the current version, or ``version``), whole or as the delta from ``held``;
-        into a safetensors file at ``dest`` if given (see ``site_client.transfer.theta_fetch``)."""
+        into a safetensors file at ``dest`` if given (see ``site_client.transfer.theta``)."""
         return self.theta.fetch(version, held, dest)
 
     def push(
@@ -355,8 +355,8 @@ class CoordinatorClient:
         tensors, encoded here by the codec ``compression`` picks for each (error feedback kept
         in ``codec_state``; encoded once: retries resend the same bytes). An update the
         coordinator already counted (e.g. sent again after a coordinator restart) is reported
-        as delivered. See ``site_client.transfer.push`` for ``abort`` and ``hold``, and
-        ``site_client.transfer.node_push`` for ``part`` (this host's bytes of a multi-node site's).
+        as delivered. See ``site_client.transfer.push`` for ``abort``, ``hold`` and ``part``
+        (this host's bytes of a multi-node site's, a ``SitePart``).
 
         Raises
         ------

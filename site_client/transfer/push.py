@@ -1,18 +1,35 @@
-"""Pushing one update: a resumable client stream, withdrawn on request, committed on cue.
+"""Pushing one update: its pieces through the transfer engine, withdrawn on request,
+committed on cue.
 
-A part of ``CoordinatorClient``. The stream is the header, then the payload in chunks; after a
-break a header-only probe asks how much arrived and the next stream resumes there. ``abort`` is
-read between chunks (another copy of the data unit won: stop sending). ``hold`` keeps the last
-chunk back until it is set (the site's checkpoint of the task is on disk): the coordinator
-counts an update only when its last byte arrives, so everything but one chunk crosses the WAN
-while the checkpoint is written.
+A part of ``CoordinatorClient``. Each attempt starts with a reservation (a header-only stream
+asking for a receive slot, ``coordinator.intake.receive_slots``), which also says what of the
+payload the coordinator holds already (after a break, or a coordinator restart: it keeps the
+upload's ranges). The pieces not wholly there then go through the engine
+(``site_client.transfer.engine``, ``movers.PushMover``), each from where the coordinator's copy
+of it ends, over one connection per stream for this upload (closed with it). Three
+configurations of that one path:
+
+- one stream (``[transfer] streams = 1``, or a payload too small to cut): the whole payload as
+  one piece; its last chunk waits for ``hold`` and its reply counts the update;
+- K streams: the payload's pieces (``wire.transfer.plan_pieces``), each as a stream carrying
+  that piece only (``PushHeader.piece``); once every piece is in and ``hold`` is set, a
+  reservation again: the coordinator, holding every byte, checks the payload's SHA-256 and
+  counts it as it counts a single stream's;
+- a host of a multi-node site (``node.SitePart``): its own part's pieces, under the site's one
+  upload id; only the reservation of the node that completes the update (node 0) may count
+  it, every other is sent ``keep_open``, and the completing node asks until every part is in
+  (``node.await_parts``).
+
+``abort`` is read between chunks (another copy of the data unit won: stop sending). ``hold``
+keeps the update from counting until it is set (the site's checkpoint of the task is on disk):
+everything but the count crosses the WAN while the checkpoint is written.
 
 A refusal because the unit was already committed carries the winner's name in trailing metadata
 (``isthmus-committed-by``); if it is this site (its own earlier copy, replayed after a
 coordinator restart) the update did count.
 
-Every byte sent is reported to ``progress`` (``site_client.transfer.progress``): a bar on a
-terminal, a log line now and then elsewhere, for a long push only.
+Every byte sent is reported once, to the upload's ``engine.Tally``: the client's
+``bytes_sent`` and ``progress`` (``site_client.transfer.progress``).
 """
 
 from __future__ import annotations
@@ -27,13 +44,16 @@ import grpc
 
 from site_client.agent.update_payload import UpdatePayload
 from site_client.errors import CoordinatorError, PushAborted
-from site_client.transfer.node_push import PartsPush, SitePart
-from site_client.transfer.parallel_push import PiecedPush
+from site_client.transfer.endpoints import COORDINATOR
+from site_client.transfer.engine import Tally, Transfer
+from site_client.transfer.movers import PushMover, held_ranges
+from site_client.transfer.node import SitePart, await_parts
+from site_client.transfer.plan import Endpoint, routed
 from site_client.transfer.progress import TransferProgress
 from wire.bulk import RESERVE_WAIT_S, chunk_frame
 from wire.chunking import ChunkError
 from wire.proto import isthmus_pb2 as pb
-from wire.transfer import Piece, plan_pieces
+from wire.transfer import Piece, ReceivedRanges, plan_pieces
 
 COMMITTED_BY = "isthmus-committed-by"
 
@@ -64,17 +84,15 @@ class UpdatePush:
         part: SitePart | None = None,
     ) -> None:
         self.client, self.round, self.payload = client, round_number, payload
-        self.part = (
-            part  # a multi-node site: this host's bytes only (``site_client.transfer.node_push``)
-        )
+        self.part = part  # a multi-node site: this host's bytes only
         self.weight, self.base, self.unit = weight, base_version, data_unit
         self.upload_id = upload_id or f"r{round_number}-{uuid.uuid4().hex[:16]}"
         self.abort = abort or (lambda: False)
         self.hold = hold
-        self.acked, self.tries = 0, 0
-        self.held_s = 0.0  # how long the last chunk waited for ``hold``
+        self.tries = 0
+        self.held_s = 0.0  # how long the count waited for ``hold``
         self.progress = progress or TransferProgress()
-        self._bulk = None  # the upload's own connection, while ``run`` runs
+        self.tally = Tally(client, self.progress, sent=True)
         self.connections: list = []  # one per stream of the upload, while ``run`` runs
 
     def header(
@@ -97,7 +115,8 @@ class UpdatePush:
         return pb.PushMessage(header=header).SerializeToString()
 
     def frames(self, start: int) -> Iterator[bytes]:
-        """The header, then the chunks from ``start`` (``wire.bulk`` frames)."""
+        """The whole payload's stream: the header, then the chunks from ``start``; its last
+        chunk waits for ``hold``."""
         total = self.payload.total_bytes
         # A resumed stream starts at the acked offset: the bytes past it are sent again.
         self.progress.start(f"push round {self.round}", total, start)
@@ -108,11 +127,10 @@ class UpdatePush:
             if offset + len(data) == total and not self.wait_for_hold():
                 return
             yield chunk_frame(offset, data)
-            self.client.bytes_sent += len(data)
-            self.progress.advance(len(data))
+            self.tally.count(len(data))
 
     def wait_for_hold(self) -> bool:
-        """Before the last chunk: wait for ``hold``; False if withdrawn meanwhile."""
+        """Before the update may count: wait for ``hold``; False if withdrawn meanwhile."""
         started = time.monotonic()
         try:
             while self.hold is not None and not self.hold.wait(0.1):
@@ -123,24 +141,49 @@ class UpdatePush:
             self.held_s += time.monotonic() - started
 
     def attempt(self) -> pb.PushReply:
-        c = self.client
-        if self.part is not None:
-            return PartsPush(self).attempt()
-        if len(self.connections) > 1:
-            return PiecedPush(self).attempt()
+        """A reservation, the pieces the coordinator lacks, then the count."""
         if self.abort():
             raise self.withdrawn()
-        granted = self.reserve()
-        if granted.complete:  # every byte had arrived: the header alone completed it
-            return granted
-        self.acked = granted.acked_offset
+        whole = self.part is None and len(self.connections) <= 1
+        # K streams or a part: kept open, as a resumed upload whose bytes are all in must
+        # still wait for ``hold``.
+        reserved = self.reserve(keep_open=not whole)
+        if whole and reserved.complete:  # every byte had arrived: the header alone counted it
+            return reserved
+        held = ReceivedRanges([(0, reserved.acked_offset)]) if whole else held_ranges(reserved)
         self.tries += 1
-        reply = self._bulk.Push(self.frames(self.acked), timeout=c.transfer_timeout_s)
+        if not whole:  # resumed: progress stands at what the coordinator holds
+            self._start_progress(held)
+        mover = PushMover(self, held, whole)
+        endpoint = Endpoint(COORDINATOR, tuple(self.connections) or (self.client.bulk,))
+        pieces = [p for p in routed(self.pieces(), endpoint) if held.resume_at(p) < p.end]
+        Transfer(self.client, mover, self.tally, max(1, len(self.connections))).run(pieces)
+        if whole:
+            if mover.reply is None or not mover.reply.complete:
+                raise ChunkError(f"push incomplete: {reserved.message}")
+            return mover.reply
+        return self._count()
+
+    def _start_progress(self, held: ReceivedRanges) -> None:
+        if self.part is None:
+            total = self.payload.total_bytes
+            self.progress.start(f"push round {self.round}", total, held.covered())
+            return
+        mine = held.covered_in(self.part.offset, self.part.end)
+        self.progress.start(f"push round {self.round} (this node's part)", self.part.length, mine)
+
+    def _count(self) -> pb.PushReply:
+        """Every piece is in: once ``hold`` is set, ask the coordinator to count the update
+        (a part that does not complete it is done here)."""
+        if self.part is not None and not self.part.completes:
+            return pb.PushReply(acked_offset=self.part.end, message="this node's part is in")
+        if not self.wait_for_hold():
+            raise self.withdrawn()
+        if self.part is not None:
+            return await_parts(self, self.part)
+        reply = self.reserve()  # with every byte in: verified and counted
         if not reply.complete:
-            if self.abort():
-                raise self.withdrawn()
-            self.acked = reply.acked_offset
-            raise ChunkError(f"push incomplete: {reply.message}")
+            raise ChunkError(f"push incomplete after every piece was sent: {reply.message}")
         return reply
 
     def pieces(self) -> list[Piece]:
@@ -178,8 +221,6 @@ class UpdatePush:
             # there.
             with contextlib.ExitStack() as held:
                 self.connections = self._connections(held)
-                # None: this host of a multi-node site has nothing to send, only to ask.
-                self._bulk = self.connections[0] if self.connections else self.client.bulk
                 reply = self.client.call("push", self.attempt)
             complete = True
             return reply

@@ -1,4 +1,9 @@
-"""The connections of a site's parallel transfer streams (``[transfer] streams = K``).
+"""The connections a transfer's streams use, per endpoint (``[transfer] streams = K``).
+
+Every piece of a transfer names the ``plan.Endpoint`` it goes to, and stream ``i`` of the
+transfer uses that endpoint's connection ``i``: today the coordinator the client follows
+(``coordinator_endpoint``), or, for an upload, that coordinator over the upload's own
+connections; a sharded coordinator would be one endpoint per shard, each with its own.
 
 Stream 0 is the client's bulk channel; each stream beyond it has a TCP connection of its own
 (one connection would carry them all through one congestion window), opened on first use and
@@ -15,8 +20,16 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from site_client.transfer.plan import Endpoint
 from wire.bulk import BulkStub
 from wire.proto import isthmus_pb2 as pb
+
+COORDINATOR = "coordinator"
+
+
+def coordinator_endpoint(client, streams: int) -> Endpoint:
+    """The coordinator ``client`` follows, over ``streams`` streams of its own connections."""
+    return Endpoint(COORDINATOR, tuple(FollowingStub(client, i) for i in range(max(1, streams))))
 
 
 class StreamChannels:
