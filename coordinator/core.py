@@ -88,11 +88,7 @@ class CoordinatorCore:
         # Set when the coordinator stops: what waits for disk space (persist.disk) gives up.
         self.stopping = threading.Event()
         self.writer = CheckpointWriter(self.store, self.stopping)
-        self._folder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fold")
-        self.spare = SpareBuffer()  # each round's sum, kept for the next (round.spare_buffer)
-        self.theta_files = ThetaFiles(
-            cfg.state_dir / "theta", self._folder, self.stopping, self.spare.keep
-        )
+        self._fold_parts()
         self._stopping, self.new_job = False, False  # new_job: recovery.load tells
         self.state, self.data, self.trainable = recovery.load(self)
         # With [streaming]: the fragment each round syncs (a plan that cannot be made stops
@@ -156,6 +152,13 @@ class CoordinatorCore:
             from coordinator.events.remote import remote_events_for
 
             self.store.ship_events = remote_events_for(self.store, self.events).ship
+
+    def _fold_parts(self) -> None:
+        """The one fold worker, the sum's spare buffer, and theta's files (written there)."""
+        self._folder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fold")
+        self.spare = SpareBuffer()  # each round's sum, kept for the next (round.spare_buffer)
+        folder = self.cfg.state_dir / "theta"
+        self.theta_files = ThetaFiles(folder, self._folder, self.stopping, self.spare.keep)
 
     def _site_control(self) -> SiteControl:
         """Drains and the health rules; in shared-data mode a drained site hands back its units."""
