@@ -390,9 +390,11 @@ def test_a_broken_piece_resumes_at_its_next_byte_and_a_replaced_version_starts_o
         resumed = [r for r in ranges if r[0] == 6 and r[1] == 2 * MB + fake.SERVED_CHUNK]
         # Resumed at its next byte; the other stream, done with every other piece while this
         # one waited out its backoff, may have taken the same rest over
-        # (site_client.transfer.overlap).
+        # (site_client.transfer.overlap), or, when it did before the broken stream's bytes
+        # were counted, the whole piece from where that stream stood (its start).
         rest = (6, 2 * MB + fake.SERVED_CHUNK, MB - fake.SERVED_CHUNK)
-        assert resumed in ([rest], [rest, rest]), repr(ranges)
+        taken_over = ranges.count((6, 2 * MB, MB)) == 2
+        assert resumed in ([rest], [rest, rest]) or (resumed == [] and taken_over), repr(ranges)
         assert any(r[0] == 5 for r in ranges)  # pieces of v5 were refused, then v6 fetched
         with pytest.raises(CoordinatorError) as err:
             c.fetch(version=5)  # asked for by number: gone is gone
