@@ -117,7 +117,7 @@ def test_edited_meta_hash_falls_back(tmp_path: Path):
     s, newest = _two(tmp_path)
     meta_path = newest / "meta.json"
     meta = json.loads(meta_path.read_text())
-    meta["theta_sha256"] = "0" * 64
+    meta["theta_digest"] = "0" * 64
     meta_path.write_text(json.dumps(meta))
     assert CheckpointStore(tmp_path).load_latest().round == 1
 
