@@ -58,7 +58,7 @@ def test_a_crash_between_publishing_and_checkpointing_gives_the_same_theta(
     assert again.round.number == 2 and again.published.theta_hash == published
     again.writer.wait()
     meta = json.loads((tmp_path / "state/checkpoints/round-00000002/meta.json").read_text())
-    assert meta["theta_sha256"] == published.hex()
+    assert meta["theta_digest"] == published.hex()
     closes = [e["round"] for e in read_events(again.events.path) if e["kind"] == "round_closed"]
     assert closes == [0, 1]  # the replayed close is logged once
 

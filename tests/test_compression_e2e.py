@@ -5,7 +5,6 @@ corrupted encoded tensor is refused without touching the round."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
 
 import grpc
@@ -20,6 +19,7 @@ except ImportError:
 from site_client.transfer.client import CoordinatorClient
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
+from wire.digest import payload_digest
 from wire.proto import isthmus_pb2 as pb
 from wire.tensors import Manifest, pack_encoded, unpack
 
@@ -113,7 +113,7 @@ def test_a_corrupted_encoded_tensor_is_refused(coord):
     weight = next(e for e in manifest.entries if e.name == "lin.weight")
     bad = bytearray(payload)
     bad[weight.offset + 3] ^= 0x40  # inside the int8 data: only the codec's CRC can tell
-    forged = Manifest(manifest.entries, manifest.total_bytes, hashlib.sha256(bad).digest())
+    forged = Manifest(manifest.entries, manifest.total_bytes, payload_digest(bad))
     header = pb.PushHeader(
         lease=lease, round=0, upload_id="bad1", manifest=forged.to_proto(), weight=1.0
     )

@@ -7,7 +7,6 @@ then closes on the good updates its theta equals the reference computed without 
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 import threading
@@ -25,9 +24,9 @@ try:  # tests/ as a package or as a plain folder on sys.path
 except ImportError:
     import coord_harness as h
 
-from wire.chunking import BufferSink, Reassembler
+from wire.digest import payload_digest, state_digest
 from wire.proto import isthmus_pb2 as pb
-from wire.tensors import Manifest, pack, state_hash, unpack
+from wire.tensors import Manifest, pack, unpack
 
 pytestmark = pytest.mark.e2e
 
@@ -57,18 +56,17 @@ class Site:
         return self.stub.Heartbeat(pb.HeartbeatRequest(lease=self.lease), timeout=10)
 
     def fetch(self) -> tuple[int, dict[str, torch.Tensor]]:
-        header, sink, asm = None, None, None
+        header, manifest = None, None
+        payload = bytearray()
         for msg in self.stub.Fetch(pb.FetchRequest(lease=self.lease), timeout=10):
             if msg.HasField("header"):
                 header = msg.header
                 manifest = Manifest.from_proto(header.manifest)
-                sink = BufferSink(manifest.total_bytes)
-                asm = Reassembler(manifest.total_bytes, manifest.sha256, sink)
             else:
-                asm.add(msg.chunk.offset, msg.chunk.data)
-        asm.finish()
-        theta = unpack(manifest, sink.buffer)
-        assert state_hash(theta) == header.theta_hash
+                assert msg.chunk.offset == len(payload)  # in order, nothing missing
+                payload += msg.chunk.data
+        theta = unpack(manifest, payload)
+        assert state_digest(theta) == header.theta_hash
         return header.version, theta
 
     def push(self, messages, timeout: float = 10) -> pb.PushReply:
@@ -254,7 +252,7 @@ def case_corrupted_chunk(site, r, theta):
     bad[100] ^= 0x40
     return (
         grpc.StatusCode.DATA_LOSS,
-        ("SHA-256", "corrupted in flight"),
+        ("digest mismatch", "corrupted in flight"),
         [header(site, r, m), *chunks(bad)],
     )
 
@@ -340,13 +338,13 @@ def case_oversize(site, r, theta):
 
 
 def case_slack_after_tensors(site, r, theta):
-    # Under server.max_update_bytes, with a true SHA-256 of the padded payload: only the
+    # Under server.max_update_bytes, with a true digest of the padded payload: only the
     # model's size refuses it (the bytes after the last tensor are wanted by no one).
     m, p = _pack_payload(good_delta(theta, site.name))
     padded = p + bytes(MAX_UPDATE_BYTES - len(p))
     fat = m.to_proto()
     fat.total_bytes = len(padded)
-    fat.sha256 = hashlib.sha256(padded).digest()
+    fat.digest = payload_digest(padded)
     needles = ("nothing may follow", str(MAX_UPDATE_BYTES), f"byte {len(p)}")
     return INVALID, needles, [header(site, r, fat), *chunks(padded, size=1024)]
 
@@ -354,8 +352,8 @@ def case_slack_after_tensors(site, r, theta):
 def case_bad_manifest_sha(site, r, theta):
     m, p = _pack_payload(good_delta(theta, site.name))
     short = m.to_proto()
-    short.sha256 = b"\1" * 5
-    return INVALID, ("sha256",), [header(site, r, short), *chunks(p)]
+    short.digest = b"\1" * 5
+    return INVALID, ("digest must be",), [header(site, r, short), *chunks(p)]
 
 
 def case_unknown_codec(site, r, theta):
@@ -667,7 +665,7 @@ def test_streaming_updates_must_carry_exactly_the_round_fragment(tmp_path):
     core.tick()
     assert core.round.opened_at is not None and core.round_info()["fragment"] == 0
     mine, other = core.tensors.names(0), core.tensors.names(1)
-    before, held = state_hash(core.theta), {n: t.clone() for n, t in core.theta.items()}
+    before, held = state_digest(core.theta), {n: t.clone() for n, t in core.theta.items()}
     good = {n: torch.full_like(core.theta[n], 0.01) for n in mine}
     stray = other[0]
     bad = {
@@ -686,7 +684,7 @@ def test_streaming_updates_must_carry_exactly_the_round_fragment(tmp_path):
         with pytest.raises(Refused, match=re.escape(message)) as info:
             push(core, "site-a", tokens["site-a"], 0, delta, upload_id=f"bad-{i}")
         assert info.value.code == "invalid"
-    assert state_hash(core.theta) == before
+    assert state_digest(core.theta) == before
     assert core.state.accepted == {} and core.round.received == {}
     assert core.spool.completed(0) == [] and core.uploads.in_progress() == 0
     for site, token in tokens.items():

@@ -23,8 +23,9 @@ except ImportError:
     import coord_harness as h
 
 from site_client.transfer.client import CoordinatorClient, GlobalState
+from wire.digest import state_digest
 from wire.proto import isthmus_pb2 as pb
-from wire.tensors import pack, state_hash
+from wire.tensors import pack
 
 pytestmark = pytest.mark.e2e
 
@@ -228,7 +229,7 @@ def check_job(logs: list[SiteLog], spec: dict) -> list[bytes]:
     for r in range(ROUNDS):
         for log in logs:
             got = log.fetched[r]
-            assert state_hash(got.theta) == got.theta_hash == log.status_hash[r], (
+            assert state_digest(got.theta) == got.theta_hash == log.status_hash[r], (
                 f"{log.name} round {r}: its theta differs from the coordinator's"
             )
         assert a.fetched[r].theta_hash == b.fetched[r].theta_hash
@@ -237,7 +238,7 @@ def check_job(logs: list[SiteLog], spec: dict) -> list[bytes]:
         nxt = a.fetched[r + 1] if r + 1 < ROUNDS else a.final
         assert nxt is not None
         assert_close_to_reference(nxt.theta, ref.step(theta_r, r), theta_r, f"theta_{r + 1}")
-    assert a.final.theta_hash == b.final.theta_hash == state_hash(a.final.theta)
+    assert a.final.theta_hash == b.final.theta_hash == state_digest(a.final.theta)
     assert a.final.version == ROUNDS
     hashes.append(a.final.theta_hash)
     return hashes

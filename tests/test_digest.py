@@ -82,3 +82,10 @@ def test_block_digests_cover_the_payload():
     data = os.urandom(10_000)
     blocks = block_digests(data, 4096)
     assert len(blocks) == 3 and blocks[2] == payload_digest(data[8192:])
+
+
+def test_dtype_names_are_the_wires():
+    from wire.digest import dtype_name
+    from wire.tensors import DTYPES
+
+    assert {dtype_name(d): d for d in DTYPES.values()} == DTYPES

@@ -9,7 +9,6 @@ cannot be written leaves the previous checkpoint as it was and is written once s
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import subprocess
 import threading
@@ -21,6 +20,7 @@ import torch
 from core_helpers import Clock, new_core
 
 from coordinator.records import PushHeader, Refused
+from wire.digest import payload_digest
 from wire.tensors import pack
 
 SITES = ("site-a", "site-b")
@@ -131,7 +131,7 @@ def test_a_write_that_fails_part_way_is_cut_back_and_resumes_whole(small_disk, t
     (spooled,) = core.spool.completed(0)
     data = spooled.path.read_bytes()
     assert len(data) == manifest.total_bytes
-    assert hashlib.sha256(data).digest() == manifest.sha256
+    assert payload_digest(data) == manifest.digest
 
     manifest_b, payload_b = pack(b)
     upload = begin(core, "site-b", tokens["site-b"], manifest_b)

@@ -9,8 +9,9 @@ import torch
 from coordinator.round.downlink import Downlink
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
+from wire.digest import state_digest
 from wire.downlink import apply_delta, differing, encode_delta
-from wire.tensors import Manifest, PayloadError, state_hash
+from wire.tensors import Manifest, PayloadError
 
 
 def _theta(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -49,7 +50,7 @@ def test_every_party_rebuilds_the_same_bits(codec):
     )
     coordinator = apply_delta(old, manifest, payload)
     site = apply_delta({k: v.clone() for k, v in old.items()}, manifest, bytes(payload))
-    assert state_hash(coordinator) == state_hash(site)
+    assert state_digest(coordinator) == state_digest(site)
     assert torch.equal(coordinator["steps"], new["steps"])  # integer tensors travel whole
     assert coordinator["b"].dtype == torch.bfloat16
     if codec == "none":
@@ -78,7 +79,7 @@ def test_error_feedback_keeps_the_official_theta_near_the_strategys(codec):
 
 def test_a_bad_delta_is_refused_and_theta_is_left_alone():
     old, new = _theta(), _step(_theta(), 0)
-    before = state_hash(old)
+    before = state_digest(old)
     manifest, payload = encode_delta(
         old, new, CompressionConfig.from_dict(CODECS["int8"]), CodecState()
     )
@@ -95,7 +96,7 @@ def test_a_bad_delta_is_refused_and_theta_is_left_alone():
         apply_delta({**old, "w": torch.zeros(33, 64)}, manifest, payload)
     with pytest.raises(PayloadError, match="dtype"):
         apply_delta({**old, "steps": torch.zeros(3, dtype=torch.int32)}, manifest, payload)
-    assert state_hash(old) == before
+    assert state_digest(old) == before
 
 
 def test_a_partial_delta_changes_only_its_tensors():
@@ -118,12 +119,12 @@ def test_a_partial_delta_changes_only_its_tensors():
     assert not torch.equal(fresh["w"], old["w"])
     out = {k: torch.full_like(v, 7) for k, v in old.items()}  # a file's stale bytes
     into = apply_delta(old, manifest, bytes(payload), out=out)
-    assert state_hash(into) == state_hash(fresh)
+    assert state_digest(into) == state_digest(fresh)
     assert all(into[k] is out[k] for k in out)
     same = {k: v.clone() for k, v in old.items()}
     b_ptr = same["b"].data_ptr()
     apply_delta(same, manifest, payload, out=same)  # in place: the others are not touched
-    assert state_hash(same) == state_hash(fresh) and same["b"].data_ptr() == b_ptr
+    assert state_digest(same) == state_digest(fresh) and same["b"].data_ptr() == b_ptr
     with pytest.raises(ValueError, match="does not have"):
         encode_delta(old, new, CompressionConfig(), CodecState(), names=["nope"])
 
@@ -132,12 +133,12 @@ def test_a_partial_delta_is_checked_before_anything_is_written():
     old = _theta()
     manifest, payload = encode_delta(old, old, CompressionConfig(), CodecState(), names=["w"])
     out = {k: v.clone() for k, v in old.items()}
-    before = state_hash(out)
+    before = state_digest(out)
     with pytest.raises(PayloadError, match="shape"):
         apply_delta({**old, "w": torch.zeros(33, 64)}, manifest, payload, out=out)
     with pytest.raises(PayloadError, match="unexpected"):
         apply_delta({"b": old["b"]}, manifest, payload, out=out)
-    assert state_hash(out) == before
+    assert state_digest(out) == before
 
 
 def test_downlink_step_of_a_fragment_round_trips_a_checkpoint():
@@ -153,7 +154,7 @@ def test_downlink_step_of_a_fragment_round_trips_a_checkpoint():
     nxt = {**official, "b": (official["b"].float() + 0.5).to(torch.bfloat16)}
     x = a.step(official, {k: v.clone() for k, v in nxt.items()}, 3, names=["b"])
     y = b.step(official, {k: v.clone() for k, v in nxt.items()}, 3, names=["b"])
-    assert a.payload == b.payload and state_hash(x) == state_hash(y)
+    assert a.payload == b.payload and state_digest(x) == state_digest(y)
     # w's residual survives a round it does not sync: both hold the same one.
     ra, rb = a.codec_state.state_dict(), b.codec_state.state_dict()
     assert ra.keys() == rb.keys() and any(k.startswith("w") for k in ra)

@@ -19,7 +19,7 @@ except ImportError:
 from site_client.transfer.client import CoordinatorClient, GlobalState
 from wire.codecs import CodecState
 from wire.codecs.rules import CompressionConfig
-from wire.tensors import state_hash
+from wire.digest import state_digest
 
 pytestmark = pytest.mark.e2e
 
@@ -57,7 +57,7 @@ def _checkpoint_hash(state_dir, round_number: int) -> str:
     meta = state_dir / "checkpoints" / f"round-{round_number:08d}" / "meta.json"
     # Written in the background once theta is published: it may trail the fetch a little.
     h.wait_until(meta.exists, timeout=20, what=f"the checkpoint of round {round_number}")
-    return json.loads(meta.read_text())["theta_sha256"]
+    return json.loads(meta.read_text())["theta_digest"]
 
 
 def test_int8_both_ways_keeps_every_party_bit_identical(coord, caplog):
@@ -83,7 +83,7 @@ def test_int8_both_ways_keeps_every_party_bit_identical(coord, caplog):
         status = h.status(coord.address)
         assert held["site-a"].version == held["site-b"].version == r
         assert held["site-a"].theta_hash == held["site-b"].theta_hash == status.round.theta_hash
-        assert state_hash(held["site-a"].theta) == status.round.theta_hash
+        assert state_digest(held["site-a"].theta) == status.round.theta_hash
         assert status.round.theta_hash.hex() == _checkpoint_hash(coord.state_dir, r)
         if r == ROUNDS:
             break

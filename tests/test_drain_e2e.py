@@ -114,4 +114,4 @@ def test_drained_sites_hand_back_their_units_and_leave(tmp_path) -> None:
     round1 = {e["unit"]: e["site"] for e in events if e["kind"] == "update" and e["round"] == 1}
     assert set(round1.values()) == {"site-0"}, round1
     final = json.loads((tmp_path / "site-0" / "final.json").read_text())
-    assert final["version"] == ROUNDS and final["theta_hash"] == meta["theta_sha256"]
+    assert final["version"] == ROUNDS and final["theta_hash"] == meta["theta_digest"]

@@ -438,8 +438,8 @@ def test_a_broken_hook_stops_the_job_naming_it_and_the_job_resumes_once_fixed(tm
         state = folder / "state"
         assert [e["version"] for e in _events(state, "evaluation_failed")] == [2]
         name, meta, _ = sh.latest_checkpoint(state)
-        closed = {e["round"]: e["theta_sha256"] for e in _events(state, "round_closed")}
-        assert meta["theta_sha256"] == closed[int(name.rpartition("-")[2]) - 1]
+        closed = {e["round"]: e["theta_digest"] for e in _events(state, "round_closed")}
+        assert meta["theta_digest"] == closed[int(name.rpartition("-")[2]) - 1]
 
         h.write_config(
             folder, h.job_config(rounds=rounds, evaluation={"fn": "eval_hooks:weight_norm"})

@@ -11,7 +11,6 @@ a strict xfail reproducer here.
 
 from __future__ import annotations
 
-import hashlib
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import fuzz  # noqa: E402
+from wire.digest import payload_digest  # noqa: E402
 from wire.proto import isthmus_pb2 as pb  # noqa: E402
 from wire.tensors import pack  # noqa: E402
 
@@ -125,7 +125,7 @@ def test_a_push_ending_in_an_undecodable_message_is_not_counted(fz):
 @pytest.mark.parametrize("where", ["after the last tensor", "before a tensor"])
 def test_a_push_claiming_bytes_no_tensor_needs_is_not_counted(fz, where):
     """Found once the oracle knew the layout rule (``relabel_dtype`` to bfloat16 left 256 bytes
-    after the tensors): zero bytes after the last tensor or before one, the payload's SHA-256
+    after the tensors): zero bytes after the last tensor or before one, the payload's digest
     true and the total under ``max_update_bytes``, was counted."""
     msgs = _valid_push(fz, upload_id=f"repro-slack-{where[0]}")
     header, data = msgs[0].header, msgs[1].chunk.data
@@ -137,7 +137,7 @@ def test_a_push_claiming_bytes_no_tensor_needs_is_not_counted(fz, where):
     else:
         data += bytes(extra)
     header.manifest.total_bytes = len(data)
-    header.manifest.sha256 = hashlib.sha256(data).digest()
+    header.manifest.digest = payload_digest(data)
     msgs[1].chunk.data = data
     with pytest.raises(grpc.RpcError) as err:
         fz.stub.Push(iter(msgs), timeout=5)

@@ -29,13 +29,13 @@ from coordinator.persist.open_store import open_store
 from site_client.transfer.client import CoordinatorClient
 from wire.backoff import BackoffPolicy
 from wire.config_table import ConfigError
+from wire.digest import state_digest
 from wire.identity import Bundle, init_ca, issue
 from wire.net.channel import open_channel
 from wire.net.leader import LEADER_KEY
 from wire.objstore.config import StorageConfig, parse_url
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
-from wire.tensors import state_hash
 
 ROUNDS = 3
 
@@ -152,7 +152,7 @@ def test_standby_refuses_then_takes_over_from_a_deposed_leader(
             p.stop()
     assert store.kept_rounds()[-1] == ROUNDS
     last = store.load_round(ROUNDS)
-    assert final == [state_hash(last.theta)]
+    assert final == [state_digest(last.theta)]
     assert [r["number"] for r in [last.meta["closed_round"]]] == [ROUNDS - 1]
     epochs = [t >> 32 for t in tokens]
     assert epochs[0] < epochs[-1], epochs  # the new leader's tokens fence the old ones'

@@ -49,7 +49,7 @@ def test_the_final_model_is_written_and_its_path_printed(finished):
     path = coord.state_dir / "final" / "model.safetensors"
     assert f"job 'ends' complete; final model: {path}" in coord.log_path.read_text()
     card = read_card(path)
-    assert (card.job, card.round, card.theta_sha256) == ("ends", ROUNDS, site_hash.hex())
+    assert (card.job, card.round, card.theta_digest) == ("ends", ROUNDS, site_hash.hex())
     assert card.model["factory"] == "coord_harness:tiny_model"
     model = load_model(path)  # the [model] table's factory, theta loaded strictly
     assert isinstance(model, h.TinyModel)

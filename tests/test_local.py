@@ -135,7 +135,7 @@ def test_the_loop_form_trains_the_same_model(explicit, tmp_path):
         rows = [
             w for w in words if w[:2] == ["round", "train_loss"] or w[:1] in (["0"], ["1"], ["2"])
         ]
-        return card.theta_sha256, rows
+        return card.theta_digest, rows
 
     explicit_dir, explicit_result = explicit
     want = card_and_table(explicit_dir, explicit_result.stdout)
@@ -155,7 +155,7 @@ def test_streaming_with_one_fragment_no_delay_is_blocking_diloco(explicit, tmp_p
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     got = read_card(tmp_path / "run" / "coordinator" / "final" / "model.safetensors")
     want = read_card(explicit[0] / "run" / "coordinator" / "final" / "model.safetensors")
-    assert got.theta_sha256 == want.theta_sha256
+    assert got.theta_digest == want.theta_digest
     timings = (tmp_path / "run" / "site-0" / "trainer_timings.jsonl").read_text().splitlines()
     merges = [json.loads(x) for x in timings if '"kind": "merge"' in x]
     assert [(m["round"], m["step"]) for m in merges] == [(1, 0)], merges  # the streaming loop ran
@@ -168,7 +168,7 @@ def test_the_same_job_twice_gives_the_same_model(explicit, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     again = read_card(tmp_path / "run" / "coordinator" / "final" / "model.safetensors")
     first = read_card(explicit[0] / "run" / "coordinator" / "final" / "model.safetensors")
-    assert again.theta_sha256 == first.theta_sha256
+    assert again.theta_digest == first.theta_digest
     table = [x for x in result.stdout.splitlines() if x[:5].strip().isdigit()]
     assert table == [x for x in explicit[1].stdout.splitlines() if x[:5].strip().isdigit()]
     assert "reproducible with: torch " in result.stdout and "CPU kernels " in result.stdout

@@ -64,7 +64,7 @@ def every_round_closed_with_both_sites(tmp: Path) -> str:
     for r in range(1, ROUNDS + 1):
         meta = json.loads((ckpts / f"round-{r:08d}" / "meta.json").read_text())
         assert meta["closed_round"]["sites"] == ["site-0", "site-1"]
-    return json.loads((ckpts / f"round-{ROUNDS:08d}" / "meta.json").read_text())["theta_sha256"]
+    return json.loads((ckpts / f"round-{ROUNDS:08d}" / "meta.json").read_text())["theta_digest"]
 
 
 def pushes(run_dir: Path) -> list[dict]:

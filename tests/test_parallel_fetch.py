@@ -20,11 +20,12 @@ from site_client.transfer.client import CoordinatorClient, CoordinatorError
 from site_client.transfer.overlap import Endgame
 from site_client.transfer.progress import TransferProgress
 from wire import bulk
+from wire.digest import state_digest
 from wire.identity import Bundle, init_ca, issue
 from wire.net.channel import open_channel
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
-from wire.tensors import pack, state_hash
+from wire.tensors import pack
 from wire.transfer import TransferConfig
 
 pytestmark = pytest.mark.e2e
@@ -108,7 +109,7 @@ def test_k_streams_fetch_theta_bit_identical_to_one(site, tmp_path, streams):
     assert (tmp_path / "many.safetensors").read_bytes() == (
         tmp_path / "one.safetensors"
     ).read_bytes()
-    assert state_hash(in_memory.theta) == one.theta_hash
+    assert state_digest(in_memory.theta) == one.theta_hash
     for name, tensor in one.theta.items():
         assert torch.equal(in_memory.theta[name], tensor)
     total = one.file.manifest.total_bytes
@@ -143,7 +144,7 @@ def test_a_stream_cut_mid_piece_resumes_at_its_byte(coord, pki, site, tmp_path, 
     # Cut while one piece held one of its two chunks (the fetch's first byte aside).
     assert (cut["received"] - 1) % PIECE == PIECE // 2 and cut["received"] < total, cut
     assert relay.counters().connections > cut["connections"]  # the streams dialled again
-    assert got.theta_hash == want.theta_hash and state_hash(got.theta) == want.theta_hash
+    assert got.theta_hash == want.theta_hash and state_digest(got.theta) == want.theta_hash
     # That piece resumed at its next byte: nothing was received twice.
     assert c.bytes_received == total + 1
 
@@ -252,7 +253,7 @@ def test_a_delta_comes_over_k_streams_too(coord, pki, site):
     one, n1 = fetch_with(site, 1, held=held)
     many, nk = fetch_with(site, 2, held=held)
     assert one.version == many.version == 1 and n1 < whole // 3  # int8: a delta came
-    assert nk == n1 + 1 and many.theta_hash == one.theta_hash == state_hash(many.theta)
+    assert nk == n1 + 1 and many.theta_hash == one.theta_hash == state_digest(many.theta)
     for name, tensor in one.theta.items():
         assert torch.equal(many.theta[name], tensor)
     # Ranges are checked against the payload served, the delta, not theta.
@@ -277,7 +278,7 @@ class ScriptedCoordinator:
     ) -> None:
         self.theta = {"w": (torch.arange(4 * MB) % 251).to(torch.uint8)}
         self.manifest, payload = pack(self.theta)
-        self.payload, self.theta_hash = bytes(payload), state_hash(self.theta)
+        self.payload, self.theta_hash = bytes(payload), state_digest(self.theta)
         self.header_for, self.break_at = header_for, break_at
         self.stall_at, self.stalled = stall_at, threading.Event()  # until cancelled
         self.requests: list[pb.FetchRequest] = []
@@ -353,7 +354,7 @@ def _probe(request: pb.FetchRequest) -> bool:
         ({"theta_hash": b"\x01" * 32}, "theta hash 010101010101, the first stream's"),
         ({"version": 6}, "version 6, the first stream's 5"),
         ({"from_version": 4}, "delta base 4, the first stream's theta whole"),
-        ({"manifest": OTHER_MANIFEST}, "another manifest (payload SHA-256"),
+        ({"manifest": OTHER_MANIFEST}, "another manifest (payload digest"),
     ],
 )
 def test_streams_answered_with_different_headers_are_refused(lie, words):

@@ -4,7 +4,6 @@ once every part is in and verified, never before, and never one whose part was d
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import replace
 
 import grpc
@@ -22,6 +21,7 @@ from test_parallel_push import (
 
 from site_client.agent.node_parts import NodePart, site_layout
 from site_client.agent.update_payload import payload_of
+from wire.digest import payload_digest
 from wire.payload_parts import PayloadPart, parts_digest
 from wire.tensors import ALIGN, Manifest, PayloadError, TensorEntry, validate_manifest
 
@@ -29,7 +29,7 @@ __all__ = ["coord", "pki"]  # the coordinator and PKI fixtures, shared with the 
 
 
 def sha(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
+    return payload_digest(data)
 
 
 def raw_part(node: int, pieces) -> tuple[NodePart, bytes]:
@@ -90,8 +90,8 @@ def test_site_layout_tiles_the_payload_with_each_part_hashed_on_its_own():
         and a.end % ALIGN == 0
         and b.end == manifest.total_bytes == len(data)
     )
-    assert a.sha256 == sha(data[: a.end]) and b.sha256 == sha(data[a.end :])
-    assert manifest.sha256 == parts_digest(manifest.parts)
+    assert a.digest == sha(data[: a.end]) and b.digest == sha(data[a.end :])
+    assert manifest.digest == parts_digest(manifest.parts)
     assert Manifest.from_proto(manifest.to_proto()) == manifest
 
 
@@ -101,7 +101,7 @@ def test_site_layout_tiles_the_payload_with_each_part_hashed_on_its_own():
         (lambda ps: (replace(ps[0], offset=8), ps[1]), "must start at byte 0"),
         (lambda ps: (ps[0], replace(ps[1], offset=ps[1].offset + 64)), "must start at byte"),
         (lambda ps: (ps[0], replace(ps[1], length=ps[1].length - 4)), "the parts end at byte"),
-        (lambda ps: (ps[0], replace(ps[1], sha256=b"x" * 31)), "not 32"),
+        (lambda ps: (ps[0], replace(ps[1], digest=b"x" * 31)), "not 32"),
         (lambda ps: (ps[0], PayloadPart(ps[1].offset, 0, b"0" * 32), ps[1]), "none empty"),
         (
             lambda ps: (
@@ -117,15 +117,15 @@ def test_site_layout_tiles_the_payload_with_each_part_hashed_on_its_own():
 def test_parts_that_do_not_describe_the_payload_are_refused(spoil, words):
     _, manifest, _, _ = two_parts(0)
     parts = spoil(manifest.parts)
-    bad = replace(manifest, parts=parts, sha256=parts_digest(parts))
+    bad = replace(manifest, parts=parts, digest=parts_digest(parts))
     with pytest.raises(PayloadError, match=words):
         Manifest.from_proto(bad.to_proto())
 
 
 def test_a_digest_that_is_not_the_parts_digest_is_refused():
     _, manifest, _, _ = two_parts(0)
-    with pytest.raises(PayloadError, match="SHA-256 of its parts' digests"):
-        validate_manifest(replace(manifest, sha256=sha(b"something else")))
+    with pytest.raises(PayloadError, match="digest of its parts' digests"):
+        validate_manifest(replace(manifest, digest=sha(b"something else")))
 
 
 @pytest.mark.parametrize(
@@ -133,7 +133,7 @@ def test_a_digest_that_is_not_the_parts_digest_is_refused():
     [
         {},
         {"node": "x"},
-        {"node": 0, "entries": "no", "length": 1, "sha256": "", "padded_sha256": ""},
+        {"node": 0, "entries": "no", "length": 1, "digest": "", "padded_digest": ""},
         [],
     ],
 )

@@ -178,7 +178,7 @@ def test_failed_outer_step_then_broken_restarts_leave_the_checkpoint_unchanged(t
         ) in log
         name, meta, files = sh.latest_checkpoint(tmp_path / "state")
         theta_1 = box["runs"][0].fetched[1]
-        assert name == "round-00000001" and meta["theta_sha256"] == theta_1.theta_hash.hex()
+        assert name == "round-00000001" and meta["theta_digest"] == theta_1.theta_hash.hex()
         # outer_step counted the failed step in memory; the checkpoint must not have it.
         assert int(load_safetensors(files["strategy.safetensors"])["steps"]) == 1
 

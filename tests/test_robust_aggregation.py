@@ -17,8 +17,8 @@ from coordinator.intake.spool import UpdateSpool
 from coordinator.observe.status import format_status
 from strategies import AggregationError, FedAvg, RobustAggregator, load_strategy
 from strategies.robust import close_round
+from wire.digest import state_digest
 from wire.proto import isthmus_pb2 as pb
-from wire.tensors import state_hash
 
 try:
     from . import coord_harness as h
@@ -273,7 +273,7 @@ def test_outlier_rejected_by_a_real_coordinator_shows_in_status(tmp_path):
         want = t.double() - (1.0 * d[0][name].double() + 2.0 * d[1][name].double()) / 3.0
         torch.testing.assert_close(theta1[name].double(), want, rtol=1e-6, atol=1e-6)
     name, meta, _ = sh.latest_checkpoint(tmp_path / "state")
-    assert meta["theta_sha256"] == state_hash(runs[0].final.theta).hex()
+    assert meta["theta_digest"] == state_digest(runs[0].final.theta).hex()
     assert "site-c" not in meta["closed_round"]["rejected"]  # round 1 had no outlier
     assert "round 0: update of site-c rejected: norm" in coord.log_path.read_text()
 

@@ -20,8 +20,8 @@ except ImportError:
 
 from coordinator.persist.open_store import open_store
 from site_client.transfer.client import CoordinatorClient
+from wire.digest import state_digest
 from wire.objstore.config import StorageConfig
-from wire.tensors import state_hash
 
 pytestmark = pytest.mark.e2e
 ROUNDS = 4
@@ -72,14 +72,14 @@ def test_serve_checkpoints_to_s3_and_resumes_from_there(seaweed, monkeypatch, tm
         coord.stop()
     assert store.kept_rounds() == [2, 3, 4]
     last = store.load_round(ROUNDS)
-    assert final == [state_hash(last.theta)]
+    assert final == [state_digest(last.theta)]
     assert last.meta["job"] == "testjob"
     model = load_file(str(state / "final" / "model.safetensors"))  # written at the job's end
-    assert state_hash(model) == state_hash(last.theta)
+    assert state_digest(model) == state_digest(last.theta)
     out = tmp_path / "exported.safetensors"
     done = h.run_cli("export", "--state-dir", str(state), "--storage-url", url, "--out", str(out))
     assert done.returncode == 0, done.stderr
-    assert state_hash(load_file(str(out))) == state_hash(last.theta)
+    assert state_digest(load_file(str(out))) == state_digest(last.theta)
 
 
 def test_serve_without_credentials_says_which_and_touches_nothing(monkeypatch, tmp_path: Path):

@@ -20,8 +20,8 @@ from coordinator.intake.uploads import check_update_manifest
 from coordinator.round.accumulate import fold_into
 from site_client.agent.update_payload import build_payload
 from wire.codecs import CodecState
+from wire.digest import state_digest
 from wire.safetensors_io import write_tensors
-from wire.tensors import state_hash
 
 pytestmark = pytest.mark.e2e
 WIDTH = 512  # two 512x512 layers: about 2 MiB of parameters
@@ -102,7 +102,7 @@ def _worker(rank: int, world: int, port: int, folder: str, tp: bool) -> None:
     full = {
         k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
     }
-    loaded_hash = state_hash(full).hex()
+    loaded_hash = state_digest(full).hex()
     local_step(model, rank)
     full_after = {
         k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
@@ -134,7 +134,7 @@ def test_each_rank_moves_only_its_own_shards(tmp_path, world, tp):
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for r in reports:
         assert r["wrong"] == []  # every rank's shards hold theta's bits
-        assert r["loaded_hash"] == state_hash(theta).hex()
+        assert r["loaded_hash"] == state_digest(theta).hex()
         # Loading theta and handing the update back allocated (far) less than the model.
         assert r["allocated"] < 0.05 * model_bytes, r["allocated"]
     files = [tmp_path / f"update-rank{r}.safetensors" for r in range(world)]

@@ -126,7 +126,7 @@ def start_tls_coordinator(tmp_path: Path, cfg: dict) -> CoordinatorProcess:
 
 def final_theta_hash(tmp_path: Path) -> str:
     meta = tmp_path / "state" / "checkpoints" / f"round-{ROUNDS:08d}" / "meta.json"
-    return json.loads(meta.read_text())["theta_sha256"]
+    return json.loads(meta.read_text())["theta_digest"]
 
 
 class Scraper(threading.Thread):
@@ -184,7 +184,7 @@ def test_two_fsdp_sites_survive_a_killed_trainer(tmp_path):
     for i in range(2):
         final = json.loads((tmp_path / f"site-{i}" / "final.json").read_text())
         assert final["version"] == ROUNDS
-        assert final["theta_hash"] == final_meta["theta_sha256"]
+        assert final["theta_hash"] == final_meta["theta_digest"]
 
     # Validation loss of the global model goes down round after round.
     records = [

@@ -27,9 +27,9 @@ from site_client.agent.site_agent import AgentConfig, SiteAgent
 from site_client.checkpoint.local import MANIFEST
 from site_client.errors import CoordinatorError
 from site_client.transfer.client import GlobalState
+from wire.digest import state_digest
 from wire.proto import isthmus_pb2 as pb
 from wire.safetensors_io import map_tensors, write_tensors
-from wire.tensors import state_hash
 
 pytestmark = pytest.mark.e2e
 H = 4
@@ -70,7 +70,7 @@ class ScriptedCoordinator:
         return pb.RoundInfo(
             round=self.round,
             version=self.round,
-            theta_hash=state_hash(theta(self.round)),
+            theta_hash=state_digest(theta(self.round)),
             inner_steps=H,
             total_rounds=ROUNDS,
             participant=True,
@@ -93,7 +93,7 @@ class ScriptedCoordinator:
         t = theta(version)
         write_tensors(dest, t)
         file = map_tensors(dest)
-        return GlobalState(version, file.tensors, state_hash(t), dest, file)
+        return GlobalState(version, file.tensors, state_digest(t), dest, file)
 
     def push(self, round_number, payload, *, hold=None, abort=None, **kw) -> pb.PushReply:
         assert hold is not None and hold.wait(60), "the trainers never checkpointed the task"

@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 from site_client.agent.site_agent import AgentConfig, SiteAgent
 from site_client.agent.tasks import TaskBook, unit_index, unit_name
 from site_client.transfer.client import CoordinatorError, GlobalState, PushAborted
+from wire.digest import state_digest
 from wire.proto import isthmus_pb2 as pb
 from wire.safetensors_io import map_tensors, write_tensors
-from wire.tensors import state_hash
 
 THETA = {"w": torch.linspace(-1.0, 1.0, 64)}
 # top-k keeps an error-feedback residual: a dropped update must give it back.
@@ -30,7 +30,7 @@ class FakeClient:
     """Serves theta_0 and records pushes; ``push_error`` / ``during_push`` script the outcome."""
 
     def __init__(self) -> None:
-        self.theta_hash = state_hash(THETA)
+        self.theta_hash = state_digest(THETA)
         self.fetches: list[int] = []
         self.pushes: list[dict] = []
         self.push_error: Exception | None = None

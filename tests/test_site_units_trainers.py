@@ -26,9 +26,9 @@ from coord_harness import REPO
 from site_client.agent.site_agent import AgentConfig, SiteAgent
 from site_client.checkpoint.local import MANIFEST
 from site_client.transfer.client import GlobalState
+from wire.digest import state_digest
 from wire.proto import isthmus_pb2 as pb
 from wire.safetensors_io import map_tensors, write_tensors
-from wire.tensors import state_hash
 
 pytestmark = pytest.mark.e2e
 H = 6
@@ -80,7 +80,7 @@ class ScriptedCoordinator:
         return pb.RoundInfo(
             round=0,
             version=0,
-            theta_hash=state_hash(theta(0)),
+            theta_hash=state_digest(theta(0)),
             inner_steps=H,
             total_rounds=1,
             participant=True,
@@ -113,7 +113,7 @@ class ScriptedCoordinator:
         t = theta(version)
         write_tensors(dest, t)  # as the real one: straight into the trainers' file
         file = map_tensors(dest)
-        return GlobalState(version, file.tensors, state_hash(t), dest, file)
+        return GlobalState(version, file.tensors, state_digest(t), dest, file)
 
     def push(self, round_number, payload, *, hold=None, abort=None, **kw) -> pb.PushReply:
         # As the real one: the update counts once the site's checkpoint of its end is on disk.
@@ -210,4 +210,4 @@ def test_cancel_stops_every_rank_then_a_backup_unit_resumes_after_a_crash(tmp_pa
     assert [(e["round"], e["unit"], e["step"]) for e in extras] == [(0, 1, 4), (0, 1, H)]
     assert [e["seq"] for e in extras] == [int(p.name[5:]) for p in done]
     final = json.loads((tmp_path / "run" / "final.json").read_text())
-    assert final["version"] == 1 and final["theta_hash"] == state_hash(theta(1)).hex()
+    assert final["version"] == 1 and final["theta_hash"] == state_digest(theta(1)).hex()

@@ -4,7 +4,6 @@ received, across a restart either."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import torch
@@ -13,6 +12,7 @@ from core_helpers import Clock, delta_like, new_core, push
 from coordinator.intake.spool import UpdateSpool
 from coordinator.intake.upload_bytes import UploadBytes
 from coordinator.records import UpdateKey
+from wire.digest import payload_digest
 from wire.tensors import pack
 
 SITES = ("site-a", "site-b")
@@ -22,7 +22,7 @@ def _commit(spool: UpdateSpool, r: int, site: str, data: bytes) -> os.stat_resul
     manifest, payload = pack({"w": torch.frombuffer(bytearray(data), dtype=torch.float32)})
     part = spool.part_path(r, site, "u")
     spool.round_dir(r).mkdir(parents=True, exist_ok=True)
-    received = UploadBytes(part, manifest.total_bytes, manifest.sha256, reuse=spool.take_free)
+    received = UploadBytes(part, manifest.total_bytes, manifest.digest, reuse=spool.take_free)
     received.add(None, 0, bytes(payload))
     received.finish()
     received.close()
@@ -42,7 +42,7 @@ def test_dropped_rounds_fill_the_free_pool_and_new_uploads_write_over_it(tmp_pat
     assert st.st_ino in spare
     update = spool.completed(1)[0]
     assert update.path.stat().st_size == update.manifest.total_bytes
-    assert hashlib.sha256(update.path.read_bytes()).digest() == update.manifest.sha256
+    assert payload_digest(update.path.read_bytes()) == update.manifest.digest
     assert len(list(spool.free_dir.iterdir())) == 1
 
 
@@ -66,12 +66,12 @@ def test_a_reused_files_stale_bytes_never_count_as_received(tmp_path):
     manifest, payload = pack({"w": torch.ones(4096)})
     part = spool.part_path(1, "site-a", "v")
     spool.round_dir(1).mkdir(parents=True)
-    first = UploadBytes(part, manifest.total_bytes, manifest.sha256, reuse=spool.take_free)
+    first = UploadBytes(part, manifest.total_bytes, manifest.digest, reuse=spool.take_free)
     assert part.stat().st_size > manifest.total_bytes  # the spare file's stale bytes
     assert first.received == 0 and first.spans() == []
     first.close()
     # A restart finds the file and its (empty) range log: nothing was received.
-    again = UploadBytes(part, manifest.total_bytes, manifest.sha256, reuse=spool.take_free)
+    again = UploadBytes(part, manifest.total_bytes, manifest.digest, reuse=spool.take_free)
     assert again.received == 0 and again.spans() == []
     again.add(None, 0, bytes(payload))
     again.finish()

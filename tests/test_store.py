@@ -117,7 +117,7 @@ def test_edited_meta_hash_falls_back(tmp_path: Path):
     s, newest = _two(tmp_path)
     meta_path = newest / "meta.json"
     meta = json.loads(meta_path.read_text())
-    meta["theta_sha256"] = "0" * 64
+    meta["theta_digest"] = "0" * 64
     meta_path.write_text(json.dumps(meta))
     assert CheckpointStore(tmp_path).load_latest().round == 1
 
@@ -221,3 +221,41 @@ def test_non_contiguous_tensors_are_saved(tmp_path: Path):
     base = torch.arange(12.0).reshape(3, 4)
     s.save(Checkpoint(0, {"t": base.t()}, {}, {}))
     _same(s.load_latest().theta, {"t": base.t().contiguous()})
+
+
+def _as_legacy(path: Path, ckpt: Checkpoint) -> None:
+    """Rewrite a checkpoint's meta.json as the SHA-256 state hashes of before (2026-12)."""
+    from coordinator.persist.state_digests import sha256_state
+
+    meta = json.loads((path / "meta.json").read_text())
+    for name in ("theta", "strategy", "downlink"):
+        del meta[f"{name}_digest"]
+    meta["theta_sha256"] = sha256_state(ckpt.theta).hex()
+    meta["strategy_sha256"] = sha256_state(ckpt.strategy_state).hex()
+    meta["downlink_sha256"] = sha256_state(ckpt.downlink).hex()
+    write_atomic(path / "meta.json", json.dumps(meta).encode())
+
+
+def test_a_checkpoint_written_with_sha256_state_hashes_still_loads(tmp_path: Path):
+    from wire.digest import state_digest
+
+    original = _ckpt(2)
+    _as_legacy(CheckpointStore(tmp_path).save(original), original)
+    loaded = CheckpointStore(tmp_path).load_latest()
+    assert loaded is not None and loaded.round == 2
+    _same(loaded.theta, original.theta)
+    assert loaded.theta_hash == state_digest(original.theta)  # served by today's digest
+
+
+def test_a_damaged_legacy_checkpoint_is_refused(tmp_path: Path):
+    s = CheckpointStore(tmp_path)
+    s.save(_ckpt(1))
+    original = _ckpt(2)
+    path = s.save(original)
+    _as_legacy(path, original)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["strategy_sha256"] = "0" * 64
+    write_atomic(path / "meta.json", json.dumps(meta).encode())
+    assert s.load_latest().round == 1  # falls back: round 2's strategy state does not check
+    with pytest.raises(StoreError, match="strategy.safetensors does not match its digest"):
+        s.load_round(2)

@@ -12,7 +12,7 @@ except ImportError:
     import core_helpers as ch
 
 from strategies.robust import norm_of
-from wire.tensors import state_hash
+from wire.digest import state_digest
 
 BLOCKS = {"factory": "coord_harness:blocks_model", "kwargs": {"blocks": 4, "d": 4}}
 SITES = ("site-a", "site-b", "site-c")
@@ -65,7 +65,7 @@ def test_median_works_on_the_round_fragment(tmp_path):
             n: torch.stack([d[n] for d in deltas.values()]).median(dim=0).values for n in names
         }
         want = _fedavg_official(theta, median, names)
-        assert state_hash(want) == state_hash(core.theta)
+        assert state_digest(want) == state_digest(core.theta)
     finally:
         core.close()
 
@@ -90,7 +90,7 @@ def test_clip_norm_clips_each_fragment_update_by_its_own_norm(tmp_path):
         for n in names:
             acc[n].add_(deltas["site-a"][n]).add_(deltas["site-b"][n], alpha=scale).div_(2.0)
         want = _fedavg_official(theta, acc, names)
-        assert state_hash(want) == state_hash(core.theta)
+        assert state_digest(want) == state_digest(core.theta)
     finally:
         core.close()
 
@@ -107,7 +107,7 @@ def test_one_fragment_is_plain_training_bit_for_bit(tmp_path, strategy):
                     tokens,
                     {s: _delta(core, core.trainable, k, r) for k, s in enumerate(tokens)},
                 )
-            hashes.append(state_hash(core.theta))
+            hashes.append(state_digest(core.theta))
             assert core.downlink is None
         finally:
             core.close()

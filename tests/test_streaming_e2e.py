@@ -20,9 +20,10 @@ except ImportError:
 from site_client.transfer.client import CoordinatorClient, GlobalState
 from strategies import Aggregate
 from strategies.diloco import DiLoCo, DiLoCoConfig
+from wire.digest import state_digest
 from wire.downlink import differing
 from wire.fragments import StreamingConfig, fragment_plan
-from wire.tensors import ALIGN, state_hash
+from wire.tensors import ALIGN
 
 pytestmark = pytest.mark.e2e
 
@@ -95,7 +96,7 @@ def test_fragment_rounds_match_offline_per_fragment_diloco(coord, tmp_path):
             assert differing(previous.theta, a.theta) == sorted(plan.names(r - 1))
         status = h.status(coord.address)
         assert a.theta_hash == held["site-b"].theta_hash == status.round.theta_hash
-        assert state_hash(held["site-b"].theta) == status.round.theta_hash
+        assert state_digest(held["site-b"].theta) == status.round.theta_hash
         if r == OUTER * P:
             assert status.round.finished
             break
@@ -115,6 +116,6 @@ def test_fragment_rounds_match_offline_per_fragment_diloco(coord, tmp_path):
     assert all(c.delta_mismatches == 0 for c in clients.values())
     expected = _offline(theta0, plan, OUTER * P)
     assert differing(expected, held["site-a"].theta) == []
-    assert state_hash(expected) == held["site-a"].theta_hash
+    assert state_digest(expected) == held["site-a"].theta_hash
     for c in clients.values():
         c.close()

@@ -3,7 +3,6 @@ order."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +13,7 @@ from coordinator.intake.spool import UpdateSpool
 from coordinator.records import UpdateKey
 from coordinator.round.accumulate import StreamingMean, fold_order, start_sum
 from strategies.robust import weighted_mean_of
+from wire.digest import payload_digest
 from wire.tensors import Manifest, TensorEntry, pack
 from wire.theta import ThetaBuffer
 
@@ -108,7 +108,7 @@ def test_pieces_are_folded_into_their_boxes(tmp_path, worker):
             box_offset=(19, 0),
         ),
     )
-    manifest = Manifest(entries, len(payload), hashlib.sha256(payload).digest())
+    manifest = Manifest(entries, len(payload), payload_digest(payload))
     up = spool(tmp_path, UpdateKey("s"), None, 2.0, manifest, payload)
     running = StreamingMean({"a": torch.zeros(37, 5)}, worker)
     running.expect(["s"])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
 from dataclasses import replace
 
 import pytest
@@ -14,17 +12,14 @@ from hypothesis import strategies as st
 from wire.chunking import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
-    BufferSink,
-    ChunkError,
-    Reassembler,
     iter_chunks,
 )
+from wire.digest import payload_digest, state_digest
 from wire.tensors import (
     ALIGN,
     Manifest,
     PayloadError,
     pack,
-    state_hash,
     unpack,
     validate_manifest,
 )
@@ -63,7 +58,7 @@ def test_pack_unpack_round_trip_exact():
     tensors = _sample_tensors()
     manifest, payload = pack(tensors)
     assert manifest.total_bytes == len(payload)
-    assert manifest.sha256 == hashlib.sha256(bytes(payload)).digest()
+    assert manifest.digest == payload_digest(bytes(payload))
     for e in manifest.entries:
         assert e.offset % ALIGN == 0
     _assert_same(tensors, unpack(manifest, bytes(payload)))
@@ -186,8 +181,8 @@ def _with_entry(manifest: Manifest, i: int, **changes) -> Manifest:
         (lambda m: _with_entry(m, 1, name="a"), "appears twice"),
         (lambda m: _with_entry(m, 0, name=""), "empty, too long or unprintable"),
         (lambda m: _with_entry(m, 0, name="a\nb"), "unprintable"),
-        (lambda m: replace(m, sha256=b"\0" * 31), "sha256 must be 32 bytes"),
-        (lambda m: replace(m, sha256=b""), "sha256 must be 32 bytes"),
+        (lambda m: replace(m, digest=b"\0" * 31), "digest must be 32 bytes"),
+        (lambda m: replace(m, digest=b"\0" * 33), "digest must be 32 bytes"),
         (lambda m: replace(m, total_bytes=-1), "negative"),
         (lambda m: replace(m, total_bytes=m.total_bytes + 1), "nothing may follow the last"),
         (lambda m: replace(m, entries=(), total_bytes=64), "end at byte 0 .no tensors"),
@@ -242,22 +237,22 @@ def test_unpack_validates_hostile_manifest_before_reading():
 def test_state_hash_equal_for_equal_states():
     a = _sample_tensors()
     b = {k: v.clone() for k, v in reversed(list(a.items()))}
-    assert state_hash(a) == state_hash(b)
-    assert len(state_hash(a)) == 32
+    assert state_digest(a) == state_digest(b)
+    assert len(state_digest(a)) == 32
 
 
 def test_state_hash_changes_with_one_element_dtype_shape_or_name():
     base = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.zeros(4)}
-    h = state_hash(base)
+    h = state_digest(base)
     one = {k: v.clone() for k, v in base.items()}
     one["w"][2, 3] = torch.nextafter(one["w"][2, 3], torch.tensor(1e9))
-    assert state_hash(one) != h
-    assert state_hash({**base, "b": torch.zeros(4, dtype=torch.float64)}) != h
-    assert state_hash({**base, "b": torch.zeros(4, dtype=torch.int32)}) != h  # same bytes
-    assert state_hash({**base, "w": base["w"].reshape(4, 3)}) != h
-    assert state_hash({"w": base["w"], "c": base["b"]}) != h
+    assert state_digest(one) != h
+    assert state_digest({**base, "b": torch.zeros(4, dtype=torch.float64)}) != h
+    assert state_digest({**base, "b": torch.zeros(4, dtype=torch.int32)}) != h  # same bytes
+    assert state_digest({**base, "w": base["w"].reshape(4, 3)}) != h
+    assert state_digest({"w": base["w"], "c": base["b"]}) != h
     neg = {**base, "b": -base["b"]}  # -0.0 differs bitwise from 0.0
-    assert state_hash(neg) != h
+    assert state_digest(neg) != h
 
 
 # ---- chunking -----------------------------------------------------------------------------
@@ -271,11 +266,6 @@ def _payload(n: int, seed: int = 0) -> bytes:
             0, 256, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
         ).numpy()
     )
-
-
-def _receiver(payload: bytes) -> tuple[Reassembler, BufferSink]:
-    sink = BufferSink(len(payload))
-    return Reassembler(len(payload), hashlib.sha256(payload).digest(), sink), sink
 
 
 def test_iter_chunks_cover_payload_in_order():
@@ -294,132 +284,3 @@ def test_iter_chunks_refuses_bad_sizes_and_offsets():
         list(iter_chunks(b"abc", MAX_CHUNK_BYTES + 1))
     with pytest.raises(ValueError, match="resume offset"):
         list(iter_chunks(b"abc", CHUNK, start=4))
-
-
-def test_reassembler_reproduces_a_packed_state():
-    g = torch.Generator().manual_seed(3)
-    tensors = {"w": torch.randn(700, 1000, generator=g), "b": torch.randn(333, generator=g)}
-    manifest, payload = pack(tensors)
-    assert manifest.total_bytes > 2 * CHUNK
-    sink = BufferSink(manifest.total_bytes)
-    asm = Reassembler(manifest.total_bytes, manifest.sha256, sink)
-    for offset, data in iter_chunks(payload, CHUNK):
-        asm.add(offset, data)
-    assert asm.complete
-    asm.finish()
-    _assert_same(tensors, unpack(manifest, sink.buffer))
-
-
-def test_corrupted_chunk_fails_sha_check():
-    payload = _payload(2 * CHUNK + 10)
-    asm, _ = _receiver(payload)
-    for offset, data in iter_chunks(payload, CHUNK):
-        data = bytearray(data)
-        if offset == CHUNK:
-            data[77] ^= 0x01
-        asm.add(offset, data)
-    with pytest.raises(ChunkError, match="SHA-256"):
-        asm.finish()
-
-
-def test_missing_last_chunk_is_truncated():
-    payload = _payload(2 * CHUNK + 10)
-    asm, _ = _receiver(payload)
-    for offset, data in list(iter_chunks(payload, CHUNK))[:-1]:
-        asm.add(offset, data)
-    assert not asm.complete
-    with pytest.raises(ChunkError, match="truncated"):
-        asm.finish()
-
-
-def test_reordered_chunk_is_refused():
-    payload = _payload(3 * CHUNK)
-    asm, _ = _receiver(payload)
-    chunks = list(iter_chunks(payload, CHUNK))
-    asm.add(*chunks[0])
-    with pytest.raises(ChunkError, match="out-of-order"):
-        asm.add(*chunks[2])
-    assert asm.received == CHUNK  # the refused chunk changed nothing
-    asm.add(*chunks[1])
-    asm.add(*chunks[2])
-    asm.finish()
-
-
-def test_duplicated_chunk_is_refused():
-    payload = _payload(2 * CHUNK)
-    asm, sink = _receiver(payload)
-    chunks = list(iter_chunks(payload, CHUNK))
-    asm.add(*chunks[0])
-    with pytest.raises(ChunkError, match="duplicated"):
-        asm.add(*chunks[0])
-    asm.add(*chunks[1])
-    asm.finish()
-    assert bytes(sink.buffer) == payload
-
-
-def test_oversize_empty_and_overrunning_chunks_are_refused():
-    payload = _payload(MAX_CHUNK_BYTES + 10)
-    asm, _ = _receiver(payload)
-    with pytest.raises(ChunkError, match="exceeds"):
-        asm.add(0, payload[: MAX_CHUNK_BYTES + 1])
-    with pytest.raises(ChunkError, match="empty chunk"):
-        asm.add(0, b"")
-    small, _ = _receiver(b"0123456789")
-    with pytest.raises(ChunkError, match="runs past"):
-        small.add(0, b"0123456789A")
-    assert asm.received == 0 and small.received == 0
-
-
-def test_extra_bytes_after_the_end_are_refused():
-    payload = b"x" * 100
-    asm, _ = _receiver(payload)
-    asm.add(0, payload)
-    with pytest.raises(ChunkError, match="runs past"):
-        asm.add(100, b"y")
-    asm.finish()
-
-
-def test_resume_from_received_with_hasher(tmp_path):
-    payload = _payload(3 * CHUNK + 999, seed=5)
-    digest = hashlib.sha256(payload).digest()
-    part = tmp_path / "upload.part"
-    chunks = list(iter_chunks(payload, CHUNK))
-    with open(part, "ab") as f:
-        asm = Reassembler(len(payload), digest, f)
-        for offset, data in chunks[:2]:
-            asm.add(offset, data)
-    # The stream broke: rebuild the state from what is on disk, as uploads.Upload does.
-    hasher = hashlib.sha256(part.read_bytes())
-    received = part.stat().st_size
-    assert received == 2 * CHUNK
-    with open(part, "ab") as f:
-        asm = Reassembler(len(payload), digest, f, received, hasher)
-        with pytest.raises(ChunkError, match="duplicated"):
-            asm.add(*chunks[1])
-        for offset, data in iter_chunks(payload, CHUNK, start=asm.received):
-            asm.add(offset, data)
-        asm.finish()
-    assert part.read_bytes() == payload
-
-
-def test_resume_without_hasher_or_past_end_is_refused():
-    with pytest.raises(ChunkError, match="hasher"):
-        Reassembler(10, b"\0" * 32, BufferSink(10), received=5)
-    with pytest.raises(ChunkError, match="resume offset"):
-        Reassembler(10, b"\0" * 32, BufferSink(10), received=11, hasher=hashlib.sha256())
-
-
-def test_empty_payload_finishes_without_chunks():
-    asm, _ = _receiver(b"")
-    assert asm.complete
-    asm.finish()
-
-
-def test_random_split_points_still_reassemble():
-    payload = os.urandom(CHUNK + 5000)
-    asm, sink = _receiver(payload)
-    cuts = [0, 1, 4096, 700_000, CHUNK, len(payload)]
-    for a, b in zip(cuts, cuts[1:], strict=False):
-        asm.add(a, payload[a:b])
-    asm.finish()
-    assert bytes(sink.buffer) == payload

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import gc
-import hashlib
 import os
 import threading
 import weakref
@@ -27,8 +26,8 @@ from coordinator.records import FatalError
 from coordinator.round.spare_buffer import holders
 from strategies.diloco import DiLoCo
 from strategies.fedavg import FedAvg
-from wire.safetensors_io import file_state_hash, write_tensors
-from wire.tensors import state_hash
+from wire.digest import payload_digest, state_digest
+from wire.safetensors_io import file_state_digest, write_tensors
 from wire.theta import ThetaBuffer
 
 
@@ -40,7 +39,7 @@ def _theta(seed: int = 0) -> ThetaBuffer:
         "steps": torch.arange(5, dtype=torch.int64),
         "half": torch.randn(33, generator=g).to(torch.bfloat16),
     }
-    return ThetaBuffer.copy_of(tensors).with_digest()
+    return ThetaBuffer.copy_of(tensors)
 
 
 def _rss_file_kib() -> int:
@@ -53,20 +52,17 @@ def _rss_file_kib() -> int:
 
 def test_the_file_holds_thetas_bytes_and_reads_them_back(tmp_path):
     theta = _theta()
-    f = write_theta_file(tmp_path, 3, theta.tensors, theta.manifest.sha256)
+    f = write_theta_file(tmp_path, 3, theta.tensors)
     assert f.path.name == "theta-00000003.safetensors"
     assert f.read(0, theta.manifest.total_bytes) == bytes(theta.payload())
     assert f.read(100, 16) == bytes(theta.payload()[100:116])
-    assert state_hash(f.theta.tensors) == state_hash(theta.tensors)
-    assert file_state_hash(f.path) == state_hash(theta.tensors)
-    # Without a digest given, it is taken from the file: the same one.
-    again = write_theta_file(tmp_path / "other", 3, theta.tensors)
-    assert again.manifest.sha256 == theta.manifest.sha256
+    assert state_digest(f.theta.tensors) == state_digest(theta.tensors)
+    assert file_state_digest(f.path) == state_digest(theta.tensors)
 
 
 def test_released_pages_come_back_from_the_file_bit_for_bit(tmp_path):
-    big = ThetaBuffer.copy_of({"w": torch.randn(4096, 1024), "b": torch.randn(7)}).with_digest()
-    f = write_theta_file(tmp_path, 0, big.tensors, big.manifest.sha256)
+    big = ThetaBuffer.copy_of({"w": torch.randn(4096, 1024), "b": torch.randn(7)})
+    f = write_theta_file(tmp_path, 0, big.tensors)
     before = _rss_file_kib()
     assert float(f.theta.tensors["w"].sum()) == float(big.tensors["w"].sum())  # maps 16 MiB
     mapped = _rss_file_kib()
@@ -92,7 +88,7 @@ def test_a_source_moves_from_memory_to_the_file_in_the_middle_of_a_stream(tmp_pa
     assert source.in_memory and len(source) == theta.manifest.total_bytes
     stream = source.chunks(4096, start=0)
     got = bytearray(next(stream)[1])
-    source.to_file(write_theta_file(tmp_path, 1, theta.tensors, theta.manifest.sha256))
+    source.to_file(write_theta_file(tmp_path, 1, theta.tensors))
     assert not source.in_memory
     got += b"".join(bytes(c) for _, c in stream)
     assert bytes(got) == bytes(theta.payload())
@@ -112,8 +108,8 @@ def test_a_checkpoints_file_is_linked_not_copied(tmp_path):
     write_tensors(saved, theta.tensors)
     f = link_theta_file(tmp_path / "theta", 4, saved)
     assert os.stat(f.path).st_ino == os.stat(saved).st_ino
-    assert f.manifest.sha256 == theta.manifest.sha256
-    assert state_hash(f.theta.tensors) == state_hash(theta.tensors)
+    assert f.manifest.entries == theta.manifest.entries
+    assert state_digest(f.theta.tensors) == state_digest(theta.tensors)
 
 
 def test_old_files_go_and_open_ones_stay_readable(tmp_path):
@@ -123,7 +119,7 @@ def test_old_files_go_and_open_ones_stay_readable(tmp_path):
     (tmp_path / ".theta-00000003.safetensors.tmp-1-2").write_bytes(b"debris")
     clear_theta_files(tmp_path, keep=new.path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [new.path.name]
-    assert hashlib.sha256(old.read(0, old.manifest.total_bytes)).digest() == theta.manifest.sha256
+    assert old.read(0, old.manifest.total_bytes) == bytes(theta.payload())
 
 
 def test_the_file_job_runs_on_the_worker_and_hands_over(tmp_path):
@@ -161,7 +157,7 @@ def test_an_older_versions_stream_reads_its_own_file_after_newer_ones_took_over(
         path.write_bytes(bytes([i]) * 4096)
         others.append(os.open(path, os.O_RDONLY))
     rest = b"".join(c for _, c in stream)
-    assert hashlib.sha256(first + rest).digest() == theta_1.manifest.sha256
+    assert first + rest == bytes(theta_1.payload())
     for fd in others:
         os.close(fd)
     worker.shutdown()
@@ -174,13 +170,13 @@ def test_a_suspended_stream_does_not_keep_thetas_buffer_once_the_file_serves(tmp
     stream = source.chunks(4096)
     _, chunk = next(stream)
     assert isinstance(chunk, bytes)  # a copy, not a view into the buffer
-    source.to_file(write_theta_file(tmp_path, 1, theta.tensors, theta.manifest.sha256))
-    digest = theta.manifest.sha256
+    source.to_file(write_theta_file(tmp_path, 1, theta.tensors))
+    want = bytes(theta.payload())
     del theta
     gc.collect()
     assert buffer() is None  # the generator, suspended mid-stream, holds no view of it
     rest = b"".join(c for _, c in stream)
-    assert hashlib.sha256(chunk + rest).digest() == digest
+    assert chunk + rest == want
 
 
 # ---- the coordinator ----------------------------------------------------------------------
@@ -213,9 +209,9 @@ def test_after_a_close_theta_is_served_from_its_file_and_the_buffer_is_gone(tmp_
         current = core.theta_files.current
         assert core.state.theta is current.theta
         assert current.path.name == "theta-00000001.safetensors"
-        assert state_hash(core.theta) == core.published.theta_hash
+        assert state_digest(core.theta) == core.published.theta_hash
         served = b"".join(bytes(c) for _, c in core.published.payload.chunks(1 << 16))
-        assert hashlib.sha256(served).digest() == core.published.manifest.sha256
+        assert served == current.read(0, len(served))
         gc.collect()
         # theta_1's buffer was the round's sum: only the spare keeps it, for the next sum.
         assert buffer() is not None and buffer() is core.spare.held
@@ -278,7 +274,7 @@ def test_stepping_one_tensor_at_a_time_gives_the_same_bits(tmp_path, restart):
                 heartbeat_all(core, clock, tokens, 1.0)
             _close_round(core, clock, tokens, 1, value=-0.3)
             hashes.append(core.published.theta_hash)
-            assert state_hash(core.theta) == core.published.theta_hash
+            assert state_digest(core.theta) == core.published.theta_hash
         finally:
             core.close()
     assert hashes[0] == hashes[1]
@@ -286,7 +282,7 @@ def test_stepping_one_tensor_at_a_time_gives_the_same_bits(tmp_path, restart):
 
 def _block_digests_of(source) -> list[bytes]:
     size = block_size(source.size)
-    return [hashlib.sha256(data).digest() for _, data in source.chunks(size)]
+    return [payload_digest(data) for _, data in source.chunks(size)]
 
 
 def test_once_ranges_were_asked_for_the_next_thetas_block_digests_are_taken_at_publication(

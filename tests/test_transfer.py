@@ -5,8 +5,6 @@ of an upload sent in pieces (``wire/transfer.py``, ``site_client/transfer/plan.p
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 from test_config import VALID, _error, _write
 
@@ -18,6 +16,7 @@ from site_client.transfer.movers import header_problem
 from site_client.transfer.plan import PieceQueue, chunk_problem
 from wire.chunking import MAX_CHUNK_BYTES, ChunkError
 from wire.config_table import ConfigError
+from wire.digest import payload_digest
 from wire.proto import isthmus_pb2 as pb
 from wire.transfer import (
     MIN_CHUNKS_PER_STREAM,
@@ -79,7 +78,7 @@ def test_range_rules(offset, length, words):
 def _header(**over) -> pb.FetchHeader:
     fields = {"version": 3, "theta_hash": b"\x07" * 32, **over}
     h = pb.FetchHeader(**fields)
-    h.manifest.total_bytes, h.manifest.sha256 = 10 * MB, b"\x09" * 32
+    h.manifest.total_bytes, h.manifest.digest = 10 * MB, b"\x09" * 32
     return h
 
 
@@ -92,7 +91,7 @@ def test_a_header_must_equal_the_first_streams():
     assert "theta whole" in header_problem(_header(from_version=2), first)
     assert "delta base 1" in header_problem(_header(from_version=2), _header(from_version=1))
     other = _header()
-    other.manifest.sha256 = b"\x0a" * 32
+    other.manifest.digest = b"\x0a" * 32
     assert "another manifest" in header_problem(first, other)
     other = _header()
     other.manifest.tensors.add(name="w", dtype="float32")
@@ -207,13 +206,13 @@ def test_a_chunk_must_be_the_next_its_stream_owes(piece, offset, size, words):
 
 def test_the_range_log_drops_a_torn_record_and_survives_a_restart(tmp_path):
     path = tmp_path / "s+u.part"
-    b = UploadBytes(path, 30, hashlib.sha256(bytes(range(30))).digest())
+    b = UploadBytes(path, 30, payload_digest(bytes(range(30))))
     b.add(Piece(10, 10), 10, bytes(range(10, 20)))
     b.add(None, 0, bytes(range(5)))
     b.close()
     with open(path.with_suffix(".ranges"), "ab") as f:
         f.write(b"\x01\x02\x03")  # a record torn by the crash
-    again = UploadBytes(path, 30, b.expected_sha256)
+    again = UploadBytes(path, 30, b.expected_digest)
     assert again.spans() == [(0, 5), (10, 20)] and again.received == 5
     assert again.resume_at(Piece(10, 10)) == 20 and again.resume_at(Piece(20, 10)) == 20
     with pytest.raises(ChunkError, match="truncated payload: 15 of 30"):
@@ -261,14 +260,14 @@ def test_a_range_log_claiming_more_than_its_file_holds_starts_again(tmp_path):
 def test_a_streams_chunks_grow_one_record_of_the_range_log(tmp_path):
     path = tmp_path / "s+u.part"
     data = bytes(range(256)) * 4
-    b = UploadBytes(path, len(data), hashlib.sha256(data).digest())
+    b = UploadBytes(path, len(data), payload_digest(data))
     for offset in range(0, 512, 8):  # one stream, tiny chunks
         b.add(None, offset, data[offset : offset + 8])
     for offset in range(768, 1024, 4):  # another, on a piece of its own
         b.add(Piece(768, 256), offset, data[offset : offset + 4])
     b.close()
     assert path.with_suffix(".ranges").stat().st_size == 2 * 16  # a record per stream
-    again = UploadBytes(path, len(data), b.expected_sha256)
+    again = UploadBytes(path, len(data), b.expected_digest)
     assert again.spans() == [(0, 512), (768, 1024)]
     again.add(Piece(512, 256), 512, data[512:768])
     again.finish()

@@ -26,8 +26,9 @@ from site_client.transfer.push import UpdatePush
 from site_client.transfer.theta import ThetaFetcher
 from wire.bulk import chunk_frame, parse_chunk
 from wire.chunking import ChunkError
+from wire.digest import state_digest
 from wire.proto import isthmus_pb2 as pb
-from wire.tensors import pack, state_hash
+from wire.tensors import pack
 from wire.transfer import TransferConfig
 
 MB = 1_000_000
@@ -236,7 +237,7 @@ def test_a_theta_fetch_reports_its_bytes_and_resumes_where_it_broke(lines) -> No
     clock = Clock()
     theta = {"w": (torch.arange(5 * MB) % 251).to(torch.uint8)}
     manifest, payload = pack(theta)
-    client = FakeFetchClient(clock, manifest, memoryview(payload).cast("B"), state_hash(theta))
+    client = FakeFetchClient(clock, manifest, memoryview(payload).cast("B"), state_digest(theta))
     fetcher = ThetaFetcher(client, new_progress=lambda: plain(clock, min_bytes=0, every_s=2.0))
     state = fetcher.fetch()
     assert torch.equal(state.theta["w"], theta["w"]) and state.version == 7

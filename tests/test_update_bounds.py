@@ -5,7 +5,6 @@ Driven through the coordinator core in-process (``tests/core_helpers.py``)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 import zlib
@@ -22,7 +21,8 @@ from site_client.trainer.shards import BOXES_KEY
 from wire.codecs import CodecState
 from wire.codecs.base import HEADER
 from wire.codecs.rules import CompressionConfig
-from wire.tensors import Manifest, pack, pack_encoded, state_hash
+from wire.digest import payload_digest, state_digest
+from wire.tensors import Manifest, pack, pack_encoded
 
 MIB64 = 64 << 20
 SITES = ("site-a", "site-b")
@@ -42,7 +42,7 @@ def _delta(core, seed: int) -> dict[str, torch.Tensor]:
 
 def _what_the_core_holds(core) -> tuple:
     files = sorted(str(p.relative_to(core.spool.root)) for p in core.spool.root.rglob("*"))
-    return core.round, state_hash(core.theta), core.uploads.in_progress(), files
+    return core.round, state_digest(core.theta), core.uploads.in_progress(), files
 
 
 def _with_meta_nbytes(meta: bytes, nbytes: int) -> bytes:
@@ -76,7 +76,7 @@ def _inflated_codec_entry(codec: str, extra: int):
         fat = replace(e, nbytes=claimed, codec_meta=_with_meta_nbytes(e.codec_meta, claimed))
         entries = tuple(fat if x is e else x for x in manifest.entries)
         end = max(x.end for x in entries)
-        return Manifest(entries, end, manifest.sha256), e.name, codec, claimed, e.nbytes
+        return Manifest(entries, end, manifest.digest), e.name, codec, claimed, e.nbytes
 
     return case
 
@@ -142,7 +142,7 @@ def _pieces_payload(core, tmp_path, delta, rules):
         paths.append(path)
     payload = build_payload(paths, rules, CodecState())
     data = b"".join(bytes(c) for _, c in payload.chunks(0, 1 << 20))
-    assert hashlib.sha256(data).digest() == payload.manifest.sha256
+    assert payload_digest(data) == payload.manifest.digest
     return payload.manifest, data
 
 
@@ -165,7 +165,7 @@ def test_honest_pushes_of_every_codec_count_whole_and_in_pieces(tmp_path, table)
     core = new_core(tmp_path, clock)
     tokens = _open_round(core, clock)
     rules = CompressionConfig.from_dict({"default": table})
-    theta0 = state_hash(core.theta)
+    theta0 = state_digest(core.theta)
     whole, payload = pack_encoded(_delta(core, 3), rules, CodecState())
     assert push_payload(core, "site-a", tokens["site-a"], 0, whole, payload)
     pieces, data = _pieces_payload(core, tmp_path, _delta(core, 4), rules)
@@ -173,4 +173,4 @@ def test_honest_pushes_of_every_codec_count_whole_and_in_pieces(tmp_path, table)
     assert push_payload(core, "site-b", tokens["site-b"], 0, pieces, data)
     assert core.round.received.keys() == set(SITES)
     heartbeat_all(core, clock, tokens, 2.0)
-    assert core.round.number == 1 and state_hash(core.theta) != theta0
+    assert core.round.number == 1 and state_digest(core.theta) != theta0

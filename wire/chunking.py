@@ -1,16 +1,14 @@
-"""Cutting a payload into chunks and putting it back together, strictly in order.
+"""Cutting a payload into chunks, and the sizes and errors of chunks on the wire.
 
-A receiver accepts only the chunk that starts exactly where the verified bytes end, so a
-reordered, duplicated, overlapping or missing chunk is refused with a message that says which,
-and the SHA-256 over the whole payload is checked before anyone may read it. Resuming after a
-broken stream means sending again from ``Reassembler.received``.
+A receiver accepts only the chunk that starts exactly where its stream's bytes end, so a
+reordered, duplicated, overlapping or missing chunk is refused with a message that says which
+(the coordinator's ``intake.upload_bytes.chunk_refusal``, a site's ``transfer.plan
+.chunk_problem``), and the digest over the whole payload is checked before anyone may read it.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
-from typing import Protocol
 
 MIN_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 4 << 20
@@ -22,10 +20,6 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 
 class ChunkError(ValueError):
     """A chunk or a finished payload that breaks the stream's rules."""
-
-
-class Sink(Protocol):
-    def write(self, data: bytes | memoryview, /) -> object: ...
 
 
 def iter_chunks(
@@ -47,78 +41,6 @@ def iter_chunks(
         )
     for offset in range(start, stop, chunk_bytes):
         yield offset, view[offset : min(offset + chunk_bytes, stop)]
-
-
-class Reassembler:
-    """Checks and writes one payload's chunks into ``sink`` in order.
-
-    Parameters
-    ----------
-    total_bytes, sha256
-        What the sender declared for the whole payload.
-    sink
-        Where verified-in-order bytes go (a file, a ``bytearray`` wrapper, ...).
-    received, hasher
-        To continue a payload already partly received: the byte count and the SHA-256 state
-        over those bytes.
-    """
-
-    def __init__(
-        self,
-        total_bytes: int,
-        sha256: bytes,
-        sink: Sink,
-        received: int = 0,
-        hasher: hashlib._Hash | None = None,
-    ) -> None:
-        if not 0 <= received <= total_bytes:
-            raise ChunkError(f"resume offset {received} outside the {total_bytes}-byte payload")
-        if received and hasher is None:
-            raise ChunkError("resuming at a non-zero offset needs the hasher over those bytes")
-        self.total_bytes = total_bytes
-        self.expected_sha256 = sha256
-        self.sink = sink
-        self.received = received
-        self._hasher = hasher if hasher is not None else hashlib.sha256()
-
-    def add(self, offset: int, data: bytes | memoryview) -> None:
-        n = len(data)
-        if n == 0:
-            raise ChunkError(f"empty chunk at offset {offset}")
-        if n > MAX_CHUNK_BYTES:
-            raise ChunkError(f"chunk of {n} bytes exceeds the {MAX_CHUNK_BYTES}-byte limit")
-        if offset < self.received:
-            raise ChunkError(
-                f"duplicated chunk: offset {offset} was already received "
-                f"(next expected offset {self.received})"
-            )
-        if offset > self.received:
-            raise ChunkError(
-                f"out-of-order chunk: offset {offset}, next expected offset {self.received} "
-                f"(a chunk is missing or was reordered)"
-            )
-        if offset + n > self.total_bytes:
-            raise ChunkError(
-                f"chunk at offset {offset} of {n} bytes runs past the declared "
-                f"{self.total_bytes}-byte payload"
-            )
-        # Written first: the hash then only ever covers bytes the sink accepted.
-        self.sink.write(data)
-        self._hasher.update(data)
-        self.received += n
-
-    @property
-    def complete(self) -> bool:
-        return self.received == self.total_bytes
-
-    def finish(self) -> None:
-        """Raise unless every byte arrived and the SHA-256 matches."""
-        if self.received != self.total_bytes:
-            raise ChunkError(
-                f"truncated payload: {self.received} of {self.total_bytes} bytes received"
-            )
-        if self._hasher.digest() != self.expected_sha256:
-            raise ChunkError("payload SHA-256 mismatch: the data was corrupted in flight")
 
 
 class BufferSink:

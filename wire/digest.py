@@ -101,10 +101,13 @@ def compose(records: Iterable[tuple[str, str, tuple[int, ...], bytes]]) -> bytes
 
 def state_digest(tensors: Mapping[str, torch.Tensor]) -> bytes:
     """The state digest of ``tensors`` (see the module docstring)."""
-    from wire.tensors import dtype_name  # wire.tensors imports this module
-
     digests = tensor_digests(tensors)
     return compose((n, dtype_name(t.dtype), tuple(t.shape), digests[n]) for n, t in tensors.items())
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the wire names it (``torch.float32`` -> ``float32``, as ``wire.tensors``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def block_digests(data, block_bytes: int) -> list[bytes]:

@@ -3,10 +3,10 @@
 A multi-node site's update is one payload, but no host holds all of it: node k lays out and
 encodes only its own trainers' shards, as part k. The parts lie one after another in node
 order, each starting on an ``ALIGN`` boundary (``lay_out``), and each node pushes the bytes of
-its own part. No node can take the SHA-256 of the whole payload, so the manifest lists each
-part's range and SHA-256 (``PayloadPart``), and its ``sha256`` is then the SHA-256 of the
+its own part. No node can take the digest of the whole payload, so the manifest lists each
+part's range and digest (``PayloadPart``), and its ``digest`` is then the digest of the
 parts' digests in order (``parts_digest``): the receiver checks every part, and the list
-against that digest.
+against that digest. Digests are ``wire.digest``'s.
 
 The parts tile the payload exactly (no gap, no overlap), and each tensor entry lies inside one
 part. An empty ``parts`` is a payload hashed whole, as every single-host update is.
@@ -15,9 +15,10 @@ part. An empty ``parts`` is a payload hashed whole, as every single-host update 
 from __future__ import annotations
 
 import bisect
-import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+from wire.digest import DIGEST_BYTES, Hasher
 
 MAX_PARTS = 4096
 READ_BLOCK = 4 << 20
@@ -29,11 +30,11 @@ class PartsError(ValueError):
 
 @dataclass(frozen=True)
 class PayloadPart:
-    """Bytes ``[offset, offset + length)`` of the payload, and their SHA-256."""
+    """Bytes ``[offset, offset + length)`` of the payload, and their digest."""
 
     offset: int
     length: int
-    sha256: bytes
+    digest: bytes
 
     @property
     def end(self) -> int:
@@ -41,10 +42,10 @@ class PayloadPart:
 
 
 def parts_digest(parts: Iterable[PayloadPart]) -> bytes:
-    """The manifest's ``sha256`` for a payload of ``parts``: SHA-256 of their digests."""
-    h = hashlib.sha256()
+    """The manifest's ``digest`` for a payload of ``parts``: the digest of theirs."""
+    h = Hasher()
     for p in parts:
-        h.update(p.sha256)
+        h.update(p.digest)
     return h.digest()
 
 
@@ -61,11 +62,11 @@ def lay_out(lengths: Sequence[int], align: int) -> list[int]:
 def check_parts(
     parts: Sequence[PayloadPart],
     total_bytes: int,
-    sha256: bytes,
+    digest: bytes,
     entry_spans: Iterable[tuple[str, int, int]],
 ) -> None:
     """Raise ``PartsError`` unless ``parts`` tile ``[0, total_bytes)`` in order, each digest is
-    32 bytes, ``sha256`` is their ``parts_digest`` and no entry (label, start, end) crosses a
+    32 bytes, ``digest`` is their ``parts_digest`` and no entry (label, start, end) crosses a
     part's edge."""
     if len(parts) > MAX_PARTS:
         raise PartsError(f"manifest lists {len(parts)} parts, limit {MAX_PARTS}")
@@ -76,13 +77,13 @@ def check_parts(
                 f"part {i} covers [{p.offset}, {p.end}); the parts must follow one another "
                 f"from byte 0, none empty, and this one must start at byte {at}"
             )
-        if len(p.sha256) != 32:
-            raise PartsError(f"part {i}: its SHA-256 is {len(p.sha256)} bytes, not 32")
+        if len(p.digest) != DIGEST_BYTES:
+            raise PartsError(f"part {i}: its digest is {len(p.digest)} bytes, not {DIGEST_BYTES}")
         at = p.end
     if at != total_bytes:
         raise PartsError(f"the parts end at byte {at}, the payload at byte {total_bytes}")
-    if parts_digest(parts) != sha256:
-        raise PartsError("the manifest's sha256 is not the SHA-256 of its parts' digests")
+    if parts_digest(parts) != digest:
+        raise PartsError("the manifest's digest is not the digest of its parts' digests")
     ends = [p.end for p in parts]
     for label, start, end in entry_spans:
         part = _part_at(ends, start)
@@ -100,13 +101,13 @@ def _part_at(ends: list[int], offset: int) -> int:
 def digest_of(
     read: Callable[[int, int], bytes], total_bytes: int, parts: Sequence[PayloadPart]
 ) -> bytes:
-    """The payload's digest as its manifest states it, from ``read(offset, n)``: SHA-256 of
-    the whole for a payload without parts, else the ``parts_digest`` of what each part's bytes
+    """The payload's digest as its manifest states it, from ``read(offset, n)``: of the
+    whole for a payload without parts, else the ``parts_digest`` of what each part's bytes
     hash to (so one damaged part shows as a mismatch, like one damaged byte of a whole)."""
     if not parts:
-        return _sha256_of(read, 0, total_bytes).digest()
+        return _digest_of(read, 0, total_bytes).digest()
     found = [
-        PayloadPart(p.offset, p.length, _sha256_of(read, p.offset, p.end).digest()) for p in parts
+        PayloadPart(p.offset, p.length, _digest_of(read, p.offset, p.end).digest()) for p in parts
     ]
     return parts_digest(found)
 
@@ -122,8 +123,8 @@ def file_digest(path, total_bytes: int, parts: Sequence[PayloadPart]) -> bytes:
         return digest_of(read, total_bytes, parts)
 
 
-def _sha256_of(read: Callable[[int, int], bytes], start: int, end: int):
-    h, at = hashlib.sha256(), start
+def _digest_of(read: Callable[[int, int], bytes], start: int, end: int) -> Hasher:
+    h, at = Hasher(), start
     while at < end:
         block = read(at, min(READ_BLOCK, end - at))
         if not block:

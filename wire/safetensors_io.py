@@ -14,7 +14,6 @@ every tensor starts aligned to its element size and can be viewed where it lies.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -25,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from wire.digest import Hasher, compose
 from wire.tensors import (
     DTYPES,
     Manifest,
@@ -56,7 +56,7 @@ def canonical_order(tensors: Mapping[str, torch.Tensor]) -> list[str]:
 
 
 def contiguous_manifest(tensors: Mapping[str, torch.Tensor], order: Iterable[str]) -> Manifest:
-    """The layout of ``tensors`` back to back in ``order`` (no SHA-256 yet)."""
+    """The layout of ``tensors`` back to back in ``order`` (no digest)."""
     entries, offset = [], 0
     for name in order:
         t = tensors[name]
@@ -162,30 +162,30 @@ def read_header(path: Path) -> tuple[Manifest, int, dict[str, str]]:
             entries.append(TensorEntry(name, dtype, shape, start, end - start))
     except (KeyError, TypeError, ValueError) as exc:
         raise PayloadError(f"{path}: bad safetensors entry: {exc!r}") from None
-    manifest = Manifest(tuple(sorted(entries, key=lambda e: e.offset)), size - 8 - n, b"\0" * 32)
+    manifest = Manifest(tuple(sorted(entries, key=lambda e: e.offset)), size - 8 - n)
     validate_manifest(manifest)
     return manifest, 8 + n, {str(k): str(v) for k, v in dict(metadata).items()}
 
 
-def file_state_hash(path: Path) -> bytes:
-    """``wire.tensors.state_hash`` of a safetensors file's tensors, read a chunk at a time
-    (nothing mapped, so a model-sized check adds no pages to the process)."""
+def file_state_digest(path: Path) -> bytes:
+    """``wire.digest.state_digest`` of a safetensors file's tensors, read a block at a time
+    into one buffer (nothing mapped, so a model-sized check adds no pages to the process)."""
     manifest, start, _ = read_header(path)
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for e in sorted(manifest.entries, key=lambda e: e.name):
-            h.update(e.name.encode())
-            h.update(b"\0" + e.dtype.encode() + b"\0")
-            h.update(repr(tuple(e.shape)).encode())
+    buf = bytearray(4 << 20)
+    records = []
+    with open(path, "rb", buffering=0) as f:
+        for e in manifest.entries:
+            h = Hasher()
             f.seek(start + e.offset)
             left = e.nbytes
             while left:
-                chunk = f.read(min(left, 4 << 20))
-                if not chunk:
+                got = f.readinto(memoryview(buf)[: min(left, len(buf))])
+                if not got:
                     raise PayloadError(f"{path}: {e.name} is cut short")
-                h.update(chunk)
-                left -= len(chunk)
-    return h.digest()
+                h.update(memoryview(buf)[:got])
+                left -= got
+            records.append((e.name, e.dtype, tuple(e.shape), h.digest()))
+    return compose(records)
 
 
 def copy_data(source: Path, target, start: int, size: int) -> None:

@@ -13,7 +13,6 @@ last tensor. A receiver can then refuse an oversized update before it stores a b
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from wire.codecs import (
     meta_info,
 )
 from wire.codecs.rules import CompressionConfig, choose_codec
+from wire.digest import DIGEST_BYTES, payload_digest
 from wire.payload_parts import MAX_PARTS, PartsError, PayloadPart, check_parts
 from wire.proto import isthmus_pb2 as pb
 
@@ -115,7 +115,9 @@ class TensorEntry:
 class Manifest:
     entries: tuple[TensorEntry, ...]
     total_bytes: int
-    sha256: bytes = field(default=b"")
+    # The payload's digest (``wire.digest``); empty in a whole theta's header, which theta's
+    # state digest vouches for.
+    digest: bytes = field(default=b"")
     parts: tuple[PayloadPart, ...] = ()  # several hosts' parts (``wire.payload_parts``)
 
     def fp32_bytes(self) -> int:
@@ -140,9 +142,9 @@ class Manifest:
                 for e in self.entries
             ],
             total_bytes=self.total_bytes,
-            sha256=self.sha256,
+            digest=self.digest,
             parts=[
-                pb.PayloadPart(offset=p.offset, length=p.length, sha256=p.sha256)
+                pb.PayloadPart(offset=p.offset, length=p.length, digest=p.digest)
                 for p in self.parts
             ],
         )
@@ -168,8 +170,8 @@ class Manifest:
         )
         if len(msg.parts) > MAX_PARTS:
             raise PayloadError(f"manifest lists {len(msg.parts)} parts, limit {MAX_PARTS}")
-        parts = tuple(PayloadPart(int(p.offset), int(p.length), bytes(p.sha256)) for p in msg.parts)
-        manifest = cls(entries, int(msg.total_bytes), bytes(msg.sha256), parts)
+        parts = tuple(PayloadPart(int(p.offset), int(p.length), bytes(p.digest)) for p in msg.parts)
+        manifest = cls(entries, int(msg.total_bytes), bytes(msg.digest), parts)
         validate_manifest(manifest, max_total_bytes)
         return manifest
 
@@ -235,8 +237,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def validate_manifest(manifest: Manifest, max_total_bytes: int | None = None) -> None:
     """Check a manifest on its own: names, dtypes, shapes, codecs and non-overlapping ranges."""
-    if len(manifest.sha256) != 32:
-        raise PayloadError(f"manifest sha256 must be 32 bytes, got {len(manifest.sha256)}")
+    if len(manifest.digest) not in (0, DIGEST_BYTES):
+        raise PayloadError(
+            f"manifest digest must be {DIGEST_BYTES} bytes (or none), got {len(manifest.digest)}"
+        )
     if manifest.total_bytes < 0:
         raise PayloadError("manifest total_bytes is negative")
     if max_total_bytes is not None and manifest.total_bytes > max_total_bytes:
@@ -283,7 +287,7 @@ def validate_manifest(manifest: Manifest, max_total_bytes: int | None = None) ->
     if manifest.parts:
         spans = ((e.label, e.offset, e.end) for e in manifest.entries)
         try:
-            check_parts(manifest.parts, manifest.total_bytes, manifest.sha256, spans)
+            check_parts(manifest.parts, manifest.total_bytes, manifest.digest, spans)
         except PartsError as exc:
             raise PayloadError(str(exc)) from None
 
@@ -358,7 +362,7 @@ def _check_codec_meta(e: TensorEntry) -> None:
 
 
 def pack(tensors: Mapping[str, torch.Tensor]) -> tuple[Manifest, memoryview]:
-    """Lay tensors out in one buffer; returns the manifest (with SHA-256) and the payload."""
+    """Lay tensors out in one buffer; returns the manifest (with its digest) and the payload."""
     entries = []
     offset = 0
     for name, t in tensors.items():
@@ -372,8 +376,7 @@ def pack(tensors: Mapping[str, torch.Tensor]) -> tuple[Manifest, memoryview]:
             src = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             buf[e.offset : e.offset + e.nbytes].copy_(src)
     payload = memoryview(buf.numpy()).cast("B")
-    digest = hashlib.sha256(payload).digest()
-    return Manifest(tuple(entries), total, digest), payload
+    return Manifest(tuple(entries), total, payload_digest(payload)), payload
 
 
 def pack_encoded(
@@ -409,7 +412,7 @@ def pack_encoded(
             buf[e.offset : e.offset + e.nbytes].copy_(data)
     entries = tuple(e for e, _ in parts)
     payload = memoryview(buf.numpy()).cast("B")
-    return Manifest(entries, total, hashlib.sha256(payload).digest()), payload
+    return Manifest(entries, total, payload_digest(payload)), payload
 
 
 def validate_payload(manifest: Manifest, payload: bytes | bytearray | memoryview) -> None:
@@ -448,20 +451,3 @@ def entry_tensor(e: TensorEntry, raw: torch.Tensor) -> torch.Tensor:
         return decode(raw, e.codec_meta, e.shape, dtype=DTYPES[e.dtype], codec=e.codec, name=e.name)
     except CodecError as exc:
         raise PayloadError(str(exc)) from exc
-
-
-def payload_sha256(payload: bytes | bytearray | memoryview) -> bytes:
-    return hashlib.sha256(payload).digest()
-
-
-def state_hash(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """SHA-256 of a model state: names, dtypes, shapes and exact bytes, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu").contiguous()
-        h.update(name.encode())
-        h.update(b"\0" + dtype_name(t.dtype).encode() + b"\0")
-        h.update(repr(tuple(t.shape)).encode())
-        if t.numel():
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return h.digest()

@@ -10,9 +10,8 @@ on names, dtypes and shapes.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -55,11 +54,6 @@ class ThetaBuffer:
 
     def payload(self) -> memoryview:
         return tensor_bytes(self.buffer)
-
-    def with_digest(self) -> ThetaBuffer:
-        """The same buffer with the payload's SHA-256 in its manifest (one pass)."""
-        digest = hashlib.sha256(self.payload()).digest()
-        return replace(self, manifest=replace(self.manifest, sha256=digest))
 
     def same_layout(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether ``tensors`` have exactly this buffer's names, dtypes and shapes."""

@@ -178,7 +178,7 @@ def pass_floor(nbytes: int, repeats: int = 3) -> PassFloor:
     """One warm pass of memcpy, the payload digest and a float32 add, on this thread."""
     import torch
 
-    from wire.tensors import payload_sha256 as payload_digest
+    from wire.digest import payload_digest
 
     torch.set_num_threads(1)
     a = torch.ones(nbytes // 4, dtype=torch.float32)

@@ -4,13 +4,13 @@ with a hostile continuation, cancelled by the client, or raced by a second strea
 
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
 
 import torch
 from hypothesis import strategies as st
 
+from wire.digest import payload_digest
 from wire.proto import isthmus_pb2 as pb
 from wire.tensors import pack
 
@@ -97,7 +97,7 @@ class PushCases:
                 codec_meta=data.draw(st.binary(max_size=16)),
             )
         header.manifest.total_bytes = data.draw(st.sampled_from([576]) | small | U64)
-        header.manifest.sha256 = data.draw(
+        header.manifest.digest = data.draw(
             st.binary(min_size=32, max_size=32) | st.binary(max_size=64)
         )
         msgs = [pb.PushMessage(header=header)]
@@ -150,7 +150,7 @@ class PushCases:
         else:
             bits16 = {"nan": 0x7E00, "inf": 0x7C00, "-inf": 0xFC00, "snan": 0x7C01, "-nan": 0xFE00}
             payload[at : at + 2] = struct.pack("<H", bits16[value])
-        header.manifest.sha256 = hashlib.sha256(payload).digest()
+        header.manifest.digest = payload_digest(payload)
         size = data.draw(CHUNK_SIZES)
         msgs[1:] = [
             pb.PushMessage(chunk=pb.Chunk(offset=o, data=bytes(payload[o : o + size])))
@@ -182,7 +182,7 @@ class PushCases:
         resume = Resume(
             SITE_A,
             header.upload_id,
-            bytes(header.manifest.sha256),
+            bytes(header.manifest.digest),
             payload[:acked],
             header.manifest.total_bytes,
             list(header.manifest.tensors),

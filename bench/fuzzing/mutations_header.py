@@ -184,7 +184,7 @@ def total_bytes(fz, data, msgs, h):
 
 @_needs_header
 def sha256(fz, data, msgs, h):
-    sha = bytearray(h.manifest.sha256)
+    sha = bytearray(h.manifest.digest)
     mode = data.draw(st.sampled_from(["truncate", "extend", "flip", "random", "empty"]))
     if mode == "truncate":
         sha = sha[: data.draw(st.integers(0, 31))]
@@ -197,5 +197,5 @@ def sha256(fz, data, msgs, h):
         sha = bytearray(data.draw(st.binary(min_size=32, max_size=32)))
     else:
         sha = bytearray()
-    h.manifest.sha256 = bytes(sha)
+    h.manifest.digest = bytes(sha)
     return f"sha256({mode}, {len(sha)} bytes)"

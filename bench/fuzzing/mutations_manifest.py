@@ -4,11 +4,11 @@ needs (after the last one or before one)."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 from hypothesis import strategies as st
 
+from wire.digest import payload_digest
 from wire.proto import isthmus_pb2 as pb
 
 from .cases import _short
@@ -154,7 +154,7 @@ def total_slack(fz, data, msgs, h):
     else:
         payload += bytes(extra)
     m.total_bytes = _u64(m.total_bytes + extra)
-    m.sha256 = hashlib.sha256(payload).digest()
+    m.digest = payload_digest(payload)
     size = max((len(msgs[i].chunk.data) for i in idx), default=0) or 512
     at = idx[0] if idx else len(msgs)
     for i in reversed(idx):

@@ -4,12 +4,12 @@ fuzzer then corrupts its last chunk, so that no push it sends may count)."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from wire.digest import payload_digest
 from wire.proto import isthmus_pb2 as pb
 
 from .constants import (
@@ -38,7 +38,7 @@ def manifest_problem(m: pb.Manifest) -> str | None:
     """Why ``m`` is not a valid update manifest for the tiny model (None: it is valid)."""
     if m.total_bytes > MAX_UPDATE_BYTES:
         return "oversize"
-    if len(m.sha256) != 32:
+    if len(m.digest) != 32:
         return "sha length"
     names = [t.name for t in m.tensors]
     if sorted(names) != sorted(TRAINABLE):
@@ -95,7 +95,7 @@ def push_verdict(msgs: list, leases: set, r: int, resume: Resume | None = None) 
         return "refuse"
     if manifest_problem(h.manifest):
         return "refuse"
-    total, sha, entries = h.manifest.total_bytes, bytes(h.manifest.sha256), h.manifest.tensors
+    total, sha, entries = h.manifest.total_bytes, bytes(h.manifest.digest), h.manifest.tensors
     data = b""
     if resume and (resume.site, resume.upload_id) == (h.lease.site, h.upload_id):
         if sha != resume.sha:
@@ -113,7 +113,7 @@ def push_verdict(msgs: list, leases: set, r: int, resume: Resume | None = None) 
         data += c.data
     if len(data) < total:
         return "partial"
-    if hashlib.sha256(data).digest() != sha or not all_finite(entries, data):
+    if payload_digest(data) != sha or not all_finite(entries, data):
         return "refuse"
     return "count"
 

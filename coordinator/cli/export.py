@@ -46,7 +46,7 @@ def run_export(args) -> int:
     except StoreError as exc:
         raise ExportError(str(exc)) from exc
     print(
-        f"model of round {done.card.round} (theta {done.card.theta_sha256[:12]}) written to "
+        f"model of round {done.card.round} (theta {done.card.theta_digest[:12]}) written to "
         f"{done.path}; its [model] table in {done.card_path}"
     )
     return 0

@@ -226,7 +226,7 @@ def _summary(plan: LocalPlan, console, started: float) -> int:
     except (OSError, ValueError):
         console.print(f"no final model in {final.parent}")
         return 1
-    check = hash_check(plan.run_dir, plan.sites, card.theta_sha256)
+    check = hash_check(plan.run_dir, plan.sites, card.theta_digest)
     console.print(f"\nfinal model: {final} (round {card.round})", markup=False)
     console.print(check.line())
     console.print(environment(), markup=False)

@@ -3,10 +3,11 @@
 Everything here runs without the coordinator's lock: the core admits a push (lease, round, data
 unit) under the lock, then hands the upload to this part for the slow work, and counts the result
 under the lock again. An update is checked before it can count: its manifest against the model
-(names, shapes, dtypes; a tensor sent in pieces must tile it), every chunk in order, the payload's
-SHA-256, every raw value for NaN/Inf (``aminmax``, a pass at memory speed), every encoded tensor's
-codec data (CRC32, lengths, scales, indices) without decoding it. With ``aggregation.clip_norm``
-it also measures the update's L2 norm. Only then is it fsynced and renamed into the spool.
+(names, shapes, dtypes; a tensor sent in pieces must tile it), every chunk in order, the
+payload's digest (``wire.digest``), every raw value for NaN/Inf (a pass at memory speed), every
+encoded tensor's codec data (CRC32, lengths, scales, indices) without decoding it. With
+``aggregation.clip_norm`` it also measures the update's L2 norm. Only then is it fsynced and
+renamed into the spool.
 """
 
 from __future__ import annotations

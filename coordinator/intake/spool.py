@@ -1,7 +1,7 @@
 """Received updates on disk: durable before they count, read back to be summed.
 
 Each upload streams into ``spool/round-NNNNNNNN/SITE+UPLOAD.part`` (which byte ranges of it
-arrived: ``SITE+UPLOAD.ranges``, ``coordinator.persist.disk.RangeLog``); once its SHA-256 and
+arrived: ``SITE+UPLOAD.ranges``, ``coordinator.persist.disk.RangeLog``); once its digest and
 contents verify it is fsynced and renamed to ``LABEL.update`` beside a ``LABEL.json`` holding
 its key, manifest and weight (the label is the update key's: ``site``, ``site@u3``,
 ``site@late2``). An update must count whole or not at all (a site can die half-way, a chunk can
@@ -16,7 +16,7 @@ Beside the updates, two small records make the round replayable after a crash:
   the previous checkpoint it determines theta_{r+1}, so the coordinator publishes theta_{r+1}
   without waiting for its own checkpoint; a restart recomputes it from here.
 
-A restart checks each spooled update against the length and SHA-256 its ``LABEL.json`` records
+A restart checks each spooled update against the length and digest its ``LABEL.json`` records
 before counting it again (``coordinator.intake.spool_check``); one that no longer matches is moved
 aside into ``damaged/`` (kept as evidence, and as the record that its site is asked to send it
 again) rather than deleted.
@@ -200,11 +200,11 @@ class UpdateSpool:
             "weight": weight,
             "upload_id": upload_id,
             "total_bytes": manifest.total_bytes,
-            "sha256": manifest.sha256.hex(),
+            "digest": manifest.digest.hex(),
             "tensors": entries_to_json(manifest.entries),
         }
         if manifest.parts:
-            meta["parts"] = [[p.offset, p.length, p.sha256.hex()] for p in manifest.parts]
+            meta["parts"] = [[p.offset, p.length, p.digest.hex()] for p in manifest.parts]
         # The record first: it is what needs disk space, and a failure then leaves the
         # .part file as it was, for the retry. A record without its .update is not counted.
         write_atomic(d / f"{key.label}.json", json.dumps(meta).encode())
@@ -232,7 +232,7 @@ class UpdateSpool:
                 manifest = _entries_from_json(
                     meta["tensors"],
                     meta["total_bytes"],
-                    bytes.fromhex(meta["sha256"]),
+                    bytes.fromhex(meta["digest"]),
                     meta.get("parts", ()),
                 )
                 weight = float(meta["weight"])

@@ -1,13 +1,13 @@
 """Spooled updates checked again before a restarted coordinator counts them.
 
-An update is verified in full (SHA-256, every value) before it is spooled, but what lies on
+An update is verified in full (its digest, every value) before it is spooled, but what lies on
 disk can change after that: a bad block flips bits, a copy or a full disk cuts a file short, a
 record no longer parses. Counting such a file would change theta silently (flipped bytes) or
 fail every close for good (a short file: the job would stop at each restart until someone
 deleted it). So at start-up each spooled update of the rounds being replayed is read once, in
-4 MiB blocks, and its length and SHA-256 compared with what its record (``LABEL.json``, see
-``UpdateSpool.commit``) says was counted. Several files are hashed at once on a few threads
-(``hashlib`` lets go of the GIL while it hashes).
+4 MiB blocks, and its length and digest (``wire.digest``) compared with what its record
+(``LABEL.json``, see ``UpdateSpool.commit``) says was counted. Several files are hashed at
+once on a few threads (the hashing lets go of the GIL).
 
 A damaged update is *moved aside* into ``spool/round-r/damaged/``, not deleted: the files stay
 as evidence for whoever looks into the disk, and their names are the durable record that the
@@ -18,13 +18,13 @@ spool once the round's checkpoint is written.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from coordinator.intake.spool import SpooledUpdate, UpdateSpool
 from coordinator.records import UpdateKey
+from wire.digest import Hasher
 from wire.payload_parts import file_digest as payload_file_digest
 
 log = logging.getLogger("isthmus.coordinator")
@@ -43,20 +43,20 @@ class Damage:
     round: int
     key: UpdateKey
     expected_bytes: int | None
-    expected_sha256: str | None
+    expected_digest: str | None
     found_bytes: int | None
-    found_sha256: str | None
+    found_digest: str | None
 
     def describe(self) -> str:
         want = (
             "an unreadable record"
             if self.expected_bytes is None
-            else f"expected {self.expected_bytes} bytes, SHA-256 {self.expected_sha256}"
+            else f"expected {self.expected_bytes} bytes, digest {self.expected_digest}"
         )
         found = (
             "the file is missing"
             if self.found_bytes is None
-            else f"found {self.found_bytes} bytes, SHA-256 {self.found_sha256}"
+            else f"found {self.found_bytes} bytes, digest {self.found_digest}"
         )
         where = f"unit {self.key.unit}" if self.key.unit else f"round {self.round}"
         return f"spooled update {self.key.label} (site {self.key.site}, {where}): {want}, {found}"
@@ -73,21 +73,22 @@ class SpoolCheck:
 
 
 def file_digest(path) -> tuple[int, str] | None:
-    """(length, SHA-256 hex) of a file read in ``HASH_BLOCK`` pieces; None if it is missing."""
-    h, n = hashlib.sha256(), 0
+    """(length, digest hex) of a file read in ``HASH_BLOCK`` pieces into one buffer; None if
+    it is missing."""
+    h, n, buf = Hasher(), 0, bytearray(HASH_BLOCK)
     try:
         with open(path, "rb", buffering=0) as f:
-            while block := f.read(HASH_BLOCK):
-                h.update(block)
-                n += len(block)
+            while got := f.readinto(buf):
+                h.update(memoryview(buf)[:got])
+                n += got
     except FileNotFoundError:
         return None
-    return n, h.hexdigest()
+    return n, h.digest().hex()
 
 
 def spooled_digest(update: SpooledUpdate) -> tuple[int, str] | None:
     """(length, digest hex) of a spooled update's file as its manifest states the digest:
-    the SHA-256 of the whole, or of its parts' digests (``wire.payload_parts``)."""
+    of the whole, or of its parts' digests (``wire.payload_parts``)."""
     parts = update.manifest.parts
     if not parts:
         return file_digest(update.path)
@@ -102,7 +103,7 @@ def spooled_digest(update: SpooledUpdate) -> tuple[int, str] | None:
 
 def damage_of(round_number: int, update: SpooledUpdate) -> Damage | None:
     """How ``update``'s file differs from its record, or None when it is intact."""
-    want_n, want_sha = update.manifest.total_bytes, update.manifest.sha256.hex()
+    want_n, want_sha = update.manifest.total_bytes, update.manifest.digest.hex()
     found = spooled_digest(update)
     if found == (want_n, want_sha):
         return None

@@ -1,4 +1,4 @@
-"""The bytes of one upload: which ranges of its ``.part`` file are in, and their SHA-256.
+"""The bytes of one upload: which ranges of its ``.part`` file are in, and their digest.
 
 An upload arrives as one stream in payload order, or (``[transfer] streams`` K > 1) as pieces
 on K streams at once, each piece in order inside its own byte range (``PushHeader.piece``).
@@ -7,22 +7,23 @@ end of the received run from the range's start), lie inside the range, and touch
 already received; it is then written at its offset and its range recorded. Which ranges are in
 is kept in memory (``ReceivedRanges``) and in the upload's range log beside the ``.part`` file
 (``coordinator.persist.disk.RangeLog``), so a restarted coordinator resumes every piece where it
-stopped. The SHA-256 runs along as long as the bytes arrive in order from the start (one
-stream: as before, nothing is read back); whatever arrived out of that order is read back from
-the file once every byte is in, and the whole payload's digest is compared with the manifest's.
+stopped. The digest (``wire.digest``) runs along as long as the bytes arrive in order from
+the start (one stream: as before, nothing is read back); whatever arrived out of that order
+is read back from the file once every byte is in, and the whole payload's digest is compared
+with the manifest's.
 
 The decisions are the pure ``wire.transfer.ReceivedRanges`` and ``chunk_refusal``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from coordinator.persist.disk import PartFile, RangeLog
 from wire.chunking import MAX_CHUNK_BYTES, ChunkError
+from wire.digest import Hasher
 from wire.payload_parts import PayloadPart, file_digest
 from wire.transfer import Piece, ReceivedRanges
 
@@ -70,7 +71,7 @@ class UploadBytes:
     ----------
     path
         The ``.part`` file; its range log is ``path`` with the suffix ``.ranges``.
-    total_bytes, sha256
+    total_bytes, digest
         What the manifest declares for the whole payload.
     parts
         The manifest's parts (a multi-node site's update, ``wire.payload_parts``): each is
@@ -81,11 +82,11 @@ class UploadBytes:
         self,
         path: Path,
         total_bytes: int,
-        sha256: bytes,
+        digest: bytes,
         parts: tuple[PayloadPart, ...] = (),
         reuse: Callable[[Path], bool] | None = None,
     ) -> None:
-        self.total_bytes, self.expected_sha256, self.parts = total_bytes, sha256, parts
+        self.total_bytes, self.expected_digest, self.parts = total_bytes, digest, parts
         self.log = RangeLog(path.with_suffix(".ranges"))
         new = not self.log.exists() and not path.exists()
         self.ranges = ReceivedRanges(self._restore(path))
@@ -97,7 +98,7 @@ class UploadBytes:
         # Nothing past the last range received (a reused file's stale bytes are written over).
         self.file = PartFile(path, spans[-1][1] if spans else 0, keep_pages=reused)
         self._lock = threading.Lock()
-        self._hasher = hashlib.sha256()
+        self._hasher = Hasher()
         self.hashed = 0  # the hash covers bytes [0, hashed)
         self._hash_from_file(self.ranges.run_end(0))
 
@@ -187,7 +188,7 @@ class UploadBytes:
         self._records[offset + n] = (record, start)
 
     def finish(self) -> None:
-        """Raise unless every byte arrived and the payload's SHA-256 matches; what was not
+        """Raise unless every byte arrived and the payload's digest matches; what was not
         hashed on arrival is read back from the file."""
         with self._lock:
             covered, complete = self.ranges.covered(), self.ranges.covers(self.total_bytes)
@@ -199,8 +200,8 @@ class UploadBytes:
             else:
                 self._hash_from_file(self.total_bytes)
                 digest = self._hasher.copy().digest()
-        if digest != self.expected_sha256:
-            raise ChunkError("payload SHA-256 mismatch: the data was corrupted in flight")
+        if digest != self.expected_digest:
+            raise ChunkError("payload digest mismatch: the data was corrupted in flight")
         self.file.fit(self.total_bytes)
 
     @property

@@ -3,7 +3,7 @@
 An upload is keyed by (site, upload_id). When its stream breaks, what arrived stays in the
 spool's ``.part`` file and a new stream with the same upload id continues from the acknowledged
 offset (after a coordinator restart too: the received ranges come back from the upload's
-range log, the SHA-256 state from the file). With ``[transfer] streams`` K > 1 an upload comes
+range log, the digest's state from the file). With ``[transfer] streams`` K > 1 an upload comes
 as pieces on up to K streams at once: each carries one byte range of the payload
 (``PushHeader.piece``), ranges being received at once must be disjoint (``stream_clash``), and
 each resumes where its own range is received up to (``coordinator.intake.upload_bytes``).
@@ -121,7 +121,7 @@ class Upload:
         self.path: Path = spool.part_path(round_number, site, upload_id)
         spool.round_dir(round_number).mkdir(parents=True, exist_ok=True)
         self.bytes = UploadBytes(
-            self.path, manifest.total_bytes, manifest.sha256, manifest.parts, spool.take_free
+            self.path, manifest.total_bytes, manifest.digest, manifest.parts, spool.take_free
         )
         spans = self.bytes.spans()
         self.screen = ArrivalScreen(manifest, resumed_at=spans[-1][1] if spans else 0)
@@ -209,7 +209,7 @@ class UploadTable:
             key = (site, upload_id)
             upload = self._uploads.get(key)
             if upload is not None and (
-                upload.manifest.sha256 != manifest.sha256 or upload.round != round_number
+                upload.manifest.digest != manifest.digest or upload.round != round_number
             ):
                 raise UploadConflict(
                     f"upload id {upload_id!r} was already used for another payload; "

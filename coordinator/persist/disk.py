@@ -142,7 +142,7 @@ class RangeLog:
     coordinator: 16-byte records (offset, length), each written once a chunk's bytes are.
     A chunk that continues a range a record holds grows that record in place (``extend``), so
     a stream's chunks take one record, whatever their size: tiny chunks cannot make the log
-    outgrow the payload. Not fsynced, like the ``.part`` file (the payload's SHA-256, checked
+    outgrow the payload. Not fsynced, like the ``.part`` file (the payload's digest, checked
     once every byte is in, is what vouches for the bytes); a failed append is cut back, so the
     log never holds a torn record."""
 

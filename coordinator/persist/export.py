@@ -28,7 +28,8 @@ from coordinator.persist.local_store import CheckpointStore, StoreError, write_a
 from wire.safetensors_io import copy_data, header_bytes, read_header, write_tensors
 
 MODEL_CARD = "model.json"
-FORMAT = "isthmus-model-1"
+FORMAT = "isthmus-model-2"
+LEGACY_FORMAT = "isthmus-model-1"  # theta_sha256: a SHA-256 state hash
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class ModelCard:
 
     job: str
     round: int
-    theta_sha256: str
+    theta_digest: str
     model: dict[str, Any]  # the [model] table: factory, kwargs, seed, path
     format: str = FORMAT
 
@@ -113,7 +114,7 @@ def export_model(
     card = ModelCard(
         job=str(ckpt.meta.get("job", saved.get("job", ""))),
         round=ckpt.round,
-        theta_sha256=str(ckpt.meta["theta_sha256"]),
+        theta_digest=ckpt.theta_hash.hex(),
         model=saved.get("model", {}),
     )
     out = Path(out)
@@ -146,6 +147,10 @@ def _write_model(path: Path, ckpt, metadata: dict[str, str]) -> None:
 def read_card(path: Path) -> ModelCard:
     """The card of a model file written by ``export_model`` (from ``NAME.json``)."""
     data = _read_json(card_path_of(path))
+    if data.get("format") == LEGACY_FORMAT and "theta_sha256" in data:
+        old = dict(data)
+        data = {**old, "format": FORMAT, "theta_digest": old.pop("theta_sha256")}
+        data.pop("theta_sha256")
     if data.get("format") != FORMAT:
         raise ValueError(f"{card_path_of(path)}: not an isthmus model card")
     return ModelCard(**data)

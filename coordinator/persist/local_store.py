@@ -28,9 +28,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from coordinator.persist import state_digests
 from coordinator.persist.theta_file import link_or_copy
-from wire.safetensors_io import file_state_hash, map_tensors, write_tensors
-from wire.tensors import state_hash
+from wire.digest import state_digest
+from wire.safetensors_io import file_state_digest, map_tensors, write_tensors
 
 log = logging.getLogger(__name__)
 FORMAT = 1
@@ -55,7 +56,7 @@ class Checkpoint:
     # The compressed downlink: its error-feedback residuals and the delta theta_{r-1} -> theta_r
     # as served (``coordinator.round.downlink``); empty without one.
     downlink: dict[str, torch.Tensor] = field(default_factory=dict)
-    # state_hash(theta) when the caller already has it (the coordinator hashes theta once).
+    # theta's state digest when the caller already has it (the coordinator takes it once).
     theta_hash: bytes | None = None
     # theta already written as a safetensors file of these tensors
     # (``coordinator.persist.theta_file``):
@@ -178,14 +179,12 @@ class CheckpointStore:
         theta = ckpt.theta if ckpt.theta_file is not None else _contiguous(ckpt.theta)
         strategy_state = _contiguous(ckpt.strategy_state)
         downlink = _contiguous(ckpt.downlink)
-        theta_hash = ckpt.theta_hash or state_hash(theta)
+        theta_hash = ckpt.theta_hash or state_digest(theta)
         meta = {
             **ckpt.meta,
             "format": FORMAT,
             "round": ckpt.round,
-            "theta_sha256": theta_hash.hex(),
-            "strategy_sha256": state_hash(strategy_state).hex(),
-            "downlink_sha256": state_hash(downlink).hex(),
+            **state_digests.recorded(theta_hash, strategy_state, downlink),
             "written_at": time.time(),
         }
         if ckpt.theta_file is not None:
@@ -250,6 +249,25 @@ class CheckpointStore:
         except OSError as exc:
             raise StoreError(f"{path.name}: {exc}") from exc
 
+    @staticmethod
+    def _check(path: Path, meta: dict, theta, strategy_state, downlink, theta_only: bool) -> None:
+        """Each tensor file against its digest in ``meta.json`` (theta's read from its file a
+        block at a time; a legacy checkpoint's by its SHA-256 state hash)."""
+        if state_digests.legacy(meta):
+            problem = state_digests.mismatch("theta", theta, meta)
+        elif file_state_digest(path / "theta.safetensors").hex() != meta.get("theta_digest"):
+            problem = "theta.safetensors does not match its digest in meta.json"
+        else:
+            problem = None
+        if not theta_only:
+            problem = (
+                problem
+                or state_digests.mismatch("strategy", strategy_state, meta)
+                or state_digests.mismatch("downlink", downlink, meta)
+            )
+        if problem:
+            raise StoreError(problem)
+
     def _load(self, path: Path, theta_only: bool = False) -> Checkpoint:
         try:
             meta = json.loads((path / "meta.json").read_text())
@@ -268,18 +286,11 @@ class CheckpointStore:
                 downlink = load_file(str(downlink_file)) if downlink_file.exists() else {}
         except Exception as exc:  # safetensors raises its own error types for damaged files
             raise StoreError(f"tensor file unreadable: {exc}") from exc
-        if file_state_hash(path / "theta.safetensors").hex() != meta.get("theta_sha256"):
-            raise StoreError("theta.safetensors does not match the hash in meta.json")
-        want = None if theta_only else meta.get("strategy_sha256")
-        if want is not None and state_hash(strategy_state).hex() != want:
-            raise StoreError("strategy.safetensors does not match the hash in meta.json")
-        want = None if theta_only else meta.get("downlink_sha256")
-        if want is not None and state_hash(downlink).hex() != want:
-            raise StoreError("downlink.safetensors does not match the hash in meta.json")
+        self._check(path, meta, theta, strategy_state, downlink, theta_only)
         round_number = meta.get("round")
         if not isinstance(round_number, int) or path.name != f"round-{round_number:08d}":
             raise StoreError(f"meta.json names round {round_number!r}, the folder is {path.name}")
-        theta_hash = bytes.fromhex(meta["theta_sha256"])
+        theta_hash = state_digests.theta_digest(meta, theta)
         theta_file = path / "theta.safetensors"
         return Checkpoint(
             round_number, theta, strategy_state, meta, downlink, theta_hash, theta_file

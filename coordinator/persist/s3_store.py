@@ -48,6 +48,7 @@ from safetensors.torch import load as load_safetensors
 
 from coordinator.persist import s3_epochs as epochs
 from coordinator.persist import s3_layout as layout
+from coordinator.persist import state_digests
 from coordinator.persist.local_store import (
     FORMAT,
     KEEP,
@@ -56,6 +57,7 @@ from coordinator.persist.local_store import (
     StoreUnavailable,
     _contiguous,
 )
+from wire.digest import state_digest
 from wire.objstore.objects import (
     Blob,
     FileBlob,
@@ -68,7 +70,6 @@ from wire.objstore.objects import (
     unreachable,
 )
 from wire.safetensors_io import canonical_order, contiguous_manifest, header_bytes, tensor_bytes
-from wire.tensors import state_hash
 
 log = logging.getLogger(__name__)
 EPOCH_TRIES = 200
@@ -140,9 +141,7 @@ class S3CheckpointStore:
             **ckpt.meta,
             "format": FORMAT,
             "round": ckpt.round,
-            "theta_sha256": (ckpt.theta_hash or state_hash(theta)).hex(),
-            "strategy_sha256": state_hash(strategy).hex(),
-            "downlink_sha256": state_hash(downlink).hex(),
+            **state_digests.recorded(ckpt.theta_hash or state_digest(theta), strategy, downlink),
             "written_at": time.time(),
         }
         blobs = {
@@ -374,8 +373,12 @@ class S3CheckpointStore:
         except Exception as exc:  # safetensors raises its own error types
             raise StoreError(f"tensor file unreadable: {exc}") from exc
         for name, t in tensors.items():
-            if f"{name}.safetensors" in skip:
-                continue
-            if state_hash(t).hex() != meta.get(f"{name}_sha256"):
-                raise StoreError(f"{name}.safetensors does not match the hash in meta.json")
-        return Checkpoint(r, tensors["theta"], tensors["strategy"], meta, tensors["downlink"])
+            problem = (
+                None if f"{name}.safetensors" in skip else state_digests.mismatch(name, t, meta)
+            )
+            if problem:
+                raise StoreError(problem)
+        theta_hash = state_digests.theta_digest(meta, tensors["theta"])
+        return Checkpoint(
+            r, tensors["theta"], tensors["strategy"], meta, tensors["downlink"], theta_hash
+        )

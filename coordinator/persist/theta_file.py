@@ -19,18 +19,17 @@ and every start writes it afresh from the checkpoint it resumes from.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import shutil
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from wire.digest import payload_digest
 from wire.safetensors_io import read_header, write_tensors
 from wire.tensors import Manifest
 from wire.theta import ThetaBuffer
@@ -42,8 +41,7 @@ class ThetaFile:
     """One published theta in its file: ``theta`` (views of a private mapping) and ``read``."""
 
     def __init__(self, path: Path, manifest: Manifest) -> None:
-        """Open ``path`` (written by ``write_theta_file``); ``manifest`` carries the payload's
-        SHA-256, which the file's own header does not."""
+        """Open ``path`` (written by ``write_theta_file``) laid out as ``manifest``."""
         self.path = Path(path)
         layout, self.data_start, _ = read_header(self.path)
         if layout.entries != manifest.entries:
@@ -77,13 +75,10 @@ class ThetaFile:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-def write_theta_file(
-    folder: Path, version: int, tensors: Mapping[str, torch.Tensor], sha256: bytes | None = None
-) -> ThetaFile:
+def write_theta_file(folder: Path, version: int, tensors: Mapping[str, torch.Tensor]) -> ThetaFile:
     """Write ``tensors`` (theta's buffer, or a checkpoint's mapped tensors) to
-    ``folder/theta-VERSION.safetensors`` and open it; ``sha256`` is the payload's digest, taken
-    from the file when not given. Written under a temporary name and renamed, so an open file
-    is always whole."""
+    ``folder/theta-VERSION.safetensors`` and open it. Written under a temporary name and
+    renamed, so an open file is always whole."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"theta-{version:08d}.safetensors"
     tmp = folder / f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
@@ -93,9 +88,7 @@ def write_theta_file(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if sha256 is None:
-        sha256 = _payload_digest(path)
-    return ThetaFile(path, replace(manifest, sha256=sha256))
+    return ThetaFile(path, manifest)
 
 
 def link_or_copy(source: Path, target: Path) -> None:
@@ -114,18 +107,7 @@ def link_theta_file(folder: Path, version: int, saved: Path) -> ThetaFile:
     path.unlink(missing_ok=True)
     link_or_copy(saved, path)
     manifest, _, _ = read_header(path)
-    return ThetaFile(path, replace(manifest, sha256=_payload_digest(path)))
-
-
-def _payload_digest(path: Path) -> bytes:
-    """SHA-256 of a safetensors file's data section, read a chunk at a time."""
-    _, start, _ = read_header(path)
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(start)
-        for chunk in iter(lambda: f.read(4 << 20), b""):
-            h.update(chunk)
-    return h.digest()
+    return ThetaFile(path, manifest)
 
 
 def clear_theta_files(folder: Path, keep: Path | None = None) -> None:
@@ -161,13 +143,13 @@ class ThetaSource:
         self._blocks_asked = False
 
     def block_digests(self) -> tuple[int, list[bytes]]:
-        """``(block_bytes, digests)``: the SHA-256 of each block of the payload, taken on
-        the first ask (only hosts that fetch ranges ask) and kept."""
+        """``(block_bytes, digests)``: the digest of each block of the payload, taken on the
+        first ask (only hosts that fetch ranges ask) and kept."""
         self._blocks_asked = True
         with self._blocks_lock:
             if self._blocks is None:
                 size = block_size(self.size)
-                digests = [hashlib.sha256(data).digest() for _, data in self.chunks(size)]
+                digests = [payload_digest(data) for _, data in self.chunks(size)]
                 self._blocks = (size, digests)
             return self._blocks
 

@@ -90,9 +90,7 @@ class ThetaFiles:
         def job() -> ThetaFile:
             served = held.pop()
             file = until_written(
-                functools.partial(
-                    write_theta_file, self.folder, version, served.tensors, served.manifest.sha256
-                ),
+                functools.partial(write_theta_file, self.folder, version, served.tensors),
                 f"writing theta_{version} to {self.folder}",
                 self._stopping,
             )

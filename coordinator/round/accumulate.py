@@ -108,7 +108,7 @@ def start_sum(
     float32 the sum lives in a buffer laid out like theta, so that theta_{r+1} can be written
     over it in place: the ``spare`` buffer, when the last one is free, else new memory. Only
     theta's layout is kept, never its tensors."""
-    manifest = replace(theta.manifest, sha256=b"\0" * 32)
+    manifest = replace(theta.manifest, digest=b"")
     names = list(trainable)
     if all(theta.tensors[n].dtype == torch.float32 for n in names):
         spare = spare or SpareBuffer()

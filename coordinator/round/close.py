@@ -231,7 +231,7 @@ class ClosePipeline:
     def publish(self, order: CloseOrder, nxt: ThetaBuffer, outcome: Outcome, clock=None):
         """Hash theta_{r+1}, make it the served theta and open the way to round r+1."""
         r = order.round.number
-        theta_hash, nxt = hash_theta(nxt)
+        theta_hash = hash_theta(nxt)
         phases = clock.lap("hash_s") if clock is not None else {}
         closed = ClosedRound(r, frozenset(order.round.participants), order.keys, order.reason)
         with self.p.lock:
@@ -265,7 +265,7 @@ class ClosePipeline:
                     round=r,
                     reason=order.reason,
                     updates=[k.label for k in order.keys],
-                    theta_sha256=theta_hash.hex(),
+                    theta_digest=theta_hash.hex(),
                     phases=phases,
                     # What history needs (``coordinator history``):
                     participants=sorted(order.round.participants),

@@ -116,7 +116,7 @@ class UpdateCounter:
             unit=key.unit,
             late_from=key.late_from,
             weight=spooled.weight,
-            sha256=upload.manifest.sha256.hex(),
+            digest=upload.manifest.digest.hex(),
             bytes=upload.manifest.total_bytes,
             fp32_bytes=upload.manifest.fp32_bytes(),
         )

@@ -1,30 +1,23 @@
-"""Making theta_{r+1} servable: hashed once, served from its buffer, then from its file.
+"""Making theta_{r+1} servable: digested once, served from its buffer, then from its file.
 
-Two digests are taken of each new theta, in parallel (hashlib releases the GIL): its state hash
-(``wire.tensors.state_hash``: names, dtypes, shapes and bytes, the value every site checks
-bit-identity against) and the SHA-256 of its payload (what a whole-theta Fetch stream is checked
-against). Neither is taken again: the checkpoint records the first, and a site that receives
-theta whole and verifies the second holds the first too.
+One digest is taken of each new theta: its state digest (``wire.digest.state_digest``: names,
+dtypes, shapes and bytes, one BLAKE3 per tensor, hashed side by side), the value every site
+checks bit-identity against and the checkpoint records. A whole-theta Fetch carries no payload
+digest of its own: the site takes theta's state digest of what it received.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 from coordinator.persist.theta_file import ThetaSource
 from coordinator.records import Published
 from coordinator.round.downlink import Downlink
-from wire.tensors import state_hash
+from wire.digest import state_digest
 from wire.theta import ThetaBuffer
 
-_hashers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="theta-hash")
 
-
-def hash_theta(theta: ThetaBuffer) -> tuple[bytes, ThetaBuffer]:
-    """(state hash, the buffer with its payload digest), computed side by side."""
-    state = _hashers.submit(state_hash, theta.tensors)
-    digested = _hashers.submit(theta.with_digest)
-    return state.result(), digested.result()
+def hash_theta(theta: ThetaBuffer) -> bytes:
+    """theta's state digest."""
+    return state_digest(theta.tensors)
 
 
 def publication(
@@ -34,8 +27,8 @@ def publication(
     downlink: Downlink | None,
     source: ThetaSource | None = None,
 ) -> Published:
-    """What Fetch serves for ``version``: ``theta`` (already digested; from ``source``, by
-    default its buffer) and, with a compressed downlink, the delta that leads to it."""
+    """What Fetch serves for ``version``: ``theta`` (its state digest ``theta_hash``; from
+    ``source``, by default its buffer) and, with a compressed downlink, the delta to it."""
     d = downlink
     return Published(
         version,

@@ -12,7 +12,7 @@ state, the data ledger), the spool of the rounds since, and the event log. At st
    back. Either way each of them holds a provisional lease until it re-joins (or it lapses).
 
 Nothing spooled counts again unchecked: each update's file is compared with the length and
-SHA-256 its record holds (``coordinator.intake.spool_check``). A damaged one is moved aside and not
+digest its record holds (``coordinator.intake.spool_check``). A damaged one is moved aside and not
 counted, its site is asked to send it again (``RoundInfo.update_wanted``), and in shared-data
 mode its unit is uncommitted again (it was never committed in the checkpointed ledger: replay
 simply does not commit it), so it is re-sent, re-trained elsewhere or carried over, and
@@ -39,7 +39,7 @@ from coordinator.round.rules import RoundState
 from coordinator.state import CoordinatorState
 from strategies.base import call_hook
 from strategies.robust import norm_of
-from wire.tensors import state_hash
+from wire.digest import state_digest
 
 log = logging.getLogger("isthmus.coordinator")
 
@@ -50,7 +50,7 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
     core.new_job = ckpt is None  # no leader ran before this one
     if ckpt is None:
         initial = initial_theta(cfg.model)  # the model itself goes once its file is written
-        initial_hash = state_hash(initial)
+        initial_hash = state_digest(initial)
         file = core.theta_files.start(0, initial)
         del initial
         theta = file.theta.tensors
@@ -79,7 +79,7 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
     else:
         data = FederatedData(core.strategy, last_closed)
     theta = file.theta
-    theta_hash = ckpt.theta_hash or bytes.fromhex(ckpt.meta["theta_sha256"])
+    theta_hash = ckpt.theta_hash
     source = ThetaSource.of_file(file)
     state = CoordinatorState(
         round=RoundState(number=ckpt.round),

@@ -33,7 +33,7 @@ class Completion:
     job: str
     rounds: int
     model: str  # the final model file
-    theta_sha256: str
+    theta_digest: str
 
 
 def completion_bytes(done: Completion) -> bytes:
@@ -74,7 +74,7 @@ def already_complete(done: Completion | None, job: str, total_rounds: int) -> bo
 def complete_message(done: Completion) -> str:
     return (
         f"job {done.job!r} is complete ({done.rounds} rounds); final model: {done.model} "
-        f"(theta {done.theta_sha256[:12]}). Raise rounds.total to train on."
+        f"(theta {done.theta_digest[:12]}). Raise rounds.total to train on."
     )
 
 

@@ -232,7 +232,7 @@ class CoordinatorServer:
 
     def _record_completion(self) -> None:
         card = self.final.card
-        done = Completion(self.cfg.name, card.round, str(self.final.path), card.theta_sha256)
+        done = Completion(self.cfg.name, card.round, str(self.final.path), card.theta_digest)
         try:
             write_completion(self.cfg.state_dir, done)
             if self.ha is not None:  # before resigning: the next leader must find it

@@ -35,7 +35,7 @@ log = logging.getLogger("isthmus.coordinator")
 COMMITTED_BY = "isthmus-committed-by"
 STATUS_CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    # Damaged in flight (the payload's SHA-256 does not match): the site sends it again.
+    # Damaged in flight (the payload's digest does not match): the site sends it again.
     "corrupt": grpc.StatusCode.DATA_LOSS,
     "lease": grpc.StatusCode.ABORTED,
     "late": grpc.StatusCode.FAILED_PRECONDITION,
@@ -277,7 +277,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             chunks = pub.payload.chunks(self.chunk_bytes, start, stop)
             if request.block_digests:
                 header.block_bytes, digests = pub.payload.block_digests()
-                header.block_sha256.extend(digests)
+                header.block_digests.extend(digests)
         try:
             self.core.send_slots.acquire(request.lease.site)
         except SlotsBusy as exc:

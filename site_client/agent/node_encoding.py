@@ -56,7 +56,7 @@ def site_part(payload: UpdatePayload, layout: list, node: int) -> tuple[UpdatePa
     manifest, ranges = site_layout(parts)
     mine = NodePart.of(node, payload)
     (given,) = [p for p in parts if p.node == node] or [None]
-    if given is None or given.sha256 != mine.sha256 or given.length != mine.length:
+    if given is None or given.digest != mine.digest or given.length != mine.length:
         raise PayloadError(f"the site's layout does not hold node {node}'s part as encoded here")
     # Its range in the site's payload: its bytes and the padding up to the next part's start.
     offset, length = ranges[node]

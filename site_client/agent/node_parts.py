@@ -30,28 +30,28 @@ from wire.tensors import (
 class NodePart:
     """Node ``node``'s share of the site's update, laid out from byte 0.
 
-    ``sha256`` covers its ``length`` bytes; ``padded_sha256`` those and the zeros up to the
+    ``digest`` covers its ``length`` bytes; ``padded_digest`` those and the zeros up to the
     next ``ALIGN`` boundary (its digest as any part but the last).
     """
 
     node: int
     entries: tuple[TensorEntry, ...]
     length: int
-    sha256: bytes
-    padded_sha256: bytes
+    digest: bytes
+    padded_digest: bytes
 
     @classmethod
     def of(cls, node: int, payload: UpdatePayload) -> NodePart:
         m = payload.manifest
-        return cls(node, m.entries, m.total_bytes, m.sha256, payload.padded_sha256)
+        return cls(node, m.entries, m.total_bytes, m.digest, payload.padded_digest)
 
     def to_json(self) -> dict:
         return {
             "node": self.node,
             "entries": entries_to_json(self.entries),
             "length": self.length,
-            "sha256": self.sha256.hex(),
-            "padded_sha256": self.padded_sha256.hex(),
+            "digest": self.digest.hex(),
+            "padded_digest": self.padded_digest.hex(),
         }
 
     @classmethod
@@ -62,8 +62,8 @@ class NodePart:
                 int(value["node"]),
                 entries_from_json(value["entries"]),
                 int(value["length"]),
-                bytes.fromhex(value["sha256"]),
-                bytes.fromhex(value["padded_sha256"]),
+                bytes.fromhex(value["digest"]),
+                bytes.fromhex(value["padded_digest"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PayloadError(f"a node's part description is malformed: {exc!r}") from None
@@ -87,7 +87,7 @@ def site_layout(parts: Sequence[NodePart]) -> tuple[Manifest, list[tuple[int, in
         start = starts[part.node]
         last = i == len(filled) - 1
         length = part.length if last else starts[filled[i + 1].node] - start
-        spans.append(PayloadPart(start, length, part.sha256 if last else part.padded_sha256))
+        spans.append(PayloadPart(start, length, part.digest if last else part.padded_digest))
         entries += [replace(e, offset=e.offset + start) for e in part.entries]
     total = spans[-1].end if spans else 0
     manifest = Manifest(tuple(entries), total, parts_digest(spans), tuple(spans))

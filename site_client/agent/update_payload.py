@@ -6,12 +6,11 @@ never assembles the whole tensors. It maps every file, drops a piece another ran
 encodes each piece with the codec the job's ``[compression]`` rules pick for its tensor (the
 error-feedback residual is kept per piece), and lays the pieces out one after another (64-byte
 aligned, like ``wire.tensors.pack``). Raw pieces are sent straight from the mapped files; only
-encoded bytes are new memory. The payload's SHA-256 is taken in the same pass that lays it out.
+encoded bytes are new memory. The payload's digest is taken in the same pass that lays it out.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -22,6 +21,7 @@ import torch
 from site_client.trainer.shards import BOXES_KEY
 from wire.codecs import CodecState, choose_codec
 from wire.codecs.rules import CompressionConfig
+from wire.digest import Hasher
 from wire.safetensors_io import MappedTensors, map_tensors, tensor_bytes
 from wire.tensors import ALIGN, Manifest, PayloadError, TensorEntry, dtype_name
 
@@ -35,9 +35,9 @@ class UpdatePayload:
     manifest: Manifest
     segments: list[tuple[int, memoryview]]
     keep: list[object]  # what the segments view (mapped files), kept alive
-    # SHA-256 of the payload and the zeros after it up to the next ALIGN boundary: its digest
-    # as one part, not the last, of a multi-node site's payload (``site_client.agent.node_parts``).
-    padded_sha256: bytes = b""
+    # The digest of the payload and the zeros after it up to the next ALIGN boundary: its
+    # digest as one part, not the last, of a multi-node site's payload (``agent.node_parts``).
+    padded_digest: bytes = b""
 
     @property
     def total_bytes(self) -> int:
@@ -104,7 +104,7 @@ def build_payload(
     """Lay out (and encode) the pieces in ``paths``; residuals move in ``state``."""
     pieces, files = read_pieces(paths)
     entries, segments, offset = [], [], 0
-    hasher = hashlib.sha256()
+    hasher = Hasher()
     for p in pieces:
         entry = TensorEntry(
             p.name,
@@ -138,7 +138,7 @@ def build_payload(
 def placed(payload: UpdatePayload, offset: int, manifest: Manifest) -> UpdatePayload:
     """``payload`` as the part at ``offset`` of a larger payload described by ``manifest``."""
     segments = [(offset + start, seg) for start, seg in payload.segments]
-    return UpdatePayload(manifest, segments, payload.keep, payload.padded_sha256)
+    return UpdatePayload(manifest, segments, payload.keep, payload.padded_digest)
 
 
 def payload_of(manifest: Manifest, payload: memoryview) -> UpdatePayload:

@@ -129,9 +129,9 @@ def header_problem(first: pb.FetchHeader, other: pb.FetchHeader) -> str | None:
         )
     if other.manifest != first.manifest:
         return (
-            f"another manifest (payload SHA-256 {other.manifest.sha256.hex()[:12]}, "
+            f"another manifest (payload digest {other.manifest.digest.hex()[:12]}, "
             f"{other.manifest.total_bytes} bytes; the first stream's "
-            f"{first.manifest.sha256.hex()[:12]}, {first.manifest.total_bytes} bytes)"
+            f"{first.manifest.digest.hex()[:12]}, {first.manifest.total_bytes} bytes)"
         )
     return None
 

@@ -6,7 +6,7 @@ only their own boxes of each tensor (``site_client.trainer.shards``), so its age
 byte ranges that cover them:
 
 1. A first ranged fetch of one byte asks for the header with the payload's block digests
-   (``FetchRequest.block_digests``): the manifest, and the SHA-256 of every block of
+   (``FetchRequest.block_digests``): the manifest, and the digest of every block of
    ``block_bytes``.
 2. Each box becomes the span of the payload from its first element to its last (a shard of
    rows is exactly its bytes; a box of columns a little more), rounded out to whole blocks and
@@ -33,7 +33,6 @@ again until the coordinator, holding every part, has counted the update (``await
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Iterable
@@ -50,9 +49,10 @@ from site_client.transfer.plan import routed, split_ranges
 from site_client.transfer.progress import TransferProgress
 from site_client.transfer.theta import MappedSink, fetch_label
 from wire.chunking import ChunkError
+from wire.digest import payload_digest, state_digest
 from wire.proto import isthmus_pb2 as pb
 from wire.safetensors_io import create_mapped
-from wire.tensors import DTYPES, Manifest, PayloadError, state_hash
+from wire.tensors import DTYPES, Manifest, PayloadError
 from wire.transfer import Piece, ReceivedRanges, plan_pieces
 
 POLL_S = 0.05  # between the completing node's asks while other parts arrive
@@ -125,7 +125,7 @@ def fetch_boxes(client, version: int, theta_hash: str, boxes: list[Box] | None, 
         raise CoordinatorError(None, f"fetch: theta_{version} is not the one node 0 was given")
     try:
         manifest = Manifest.from_proto(header.manifest)
-        block, digests = int(header.block_bytes), list(header.block_sha256)
+        block, digests = int(header.block_bytes), list(header.block_digests)
         if block <= 0 or len(digests) != -(-manifest.total_bytes // block):
             raise PayloadError(f"{len(digests)} block digests of {block} bytes for the payload")
         whole = [Piece(0, manifest.total_bytes)] if manifest.total_bytes else []
@@ -146,7 +146,7 @@ def fetch_boxes(client, version: int, theta_hash: str, boxes: list[Box] | None, 
     finally:
         progress.finish(tally.total >= sum(p.length for p in pieces))
     _check_blocks(sink.view, pieces, block, digests, version)
-    if boxes is None and state_hash(file.tensors).hex() != theta_hash:
+    if boxes is None and state_digest(file.tensors).hex() != theta_hash:
         raise CoordinatorError(None, f"fetch: theta_{version} does not match its hash")
     return tally.total
 
@@ -157,7 +157,7 @@ def _check_blocks(view, pieces: list[Piece], block: int, digests: list[bytes], v
     for piece in pieces:
         for b in range(piece.offset // block, -(-piece.end // block)):
             data = view[b * block : min((b + 1) * block, total)]
-            if hashlib.sha256(data).digest() != digests[b]:
+            if payload_digest(data) != digests[b]:
                 raise CoordinatorError(
                     None, f"fetch: block {b} of theta_{version} does not match its digest"
                 )

@@ -13,7 +13,7 @@ configurations of that one path:
   one piece; its last chunk waits for ``hold`` and its reply counts the update;
 - K streams: the payload's pieces (``wire.transfer.plan_pieces``), each as a stream carrying
   that piece only (``PushHeader.piece``); once every piece is in and ``hold`` is set, a
-  reservation again: the coordinator, holding every byte, checks the payload's SHA-256 and
+  reservation again: the coordinator, holding every byte, checks the payload's digest and
   counts it as it counts a single stream's;
 - a host of a multi-node site (``node.SitePart``): its own part's pieces, under the site's one
   upload id; only the reservation of the node that completes the update (node 0) may count

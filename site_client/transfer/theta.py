@@ -2,13 +2,13 @@
 
 A part of ``CoordinatorClient`` (it uses the client's stub, lease, retry plumbing and byte
 counters). The payload comes through the transfer engine (``site_client.transfer.engine``): its
-first header (``movers.first_header``) names the version, the delta base, theta's hash and the
-manifest with the payload's size and SHA-256; then the payload's pieces follow over
+first header (``movers.first_header``) names the version, the delta base, theta's state digest
+and the manifest with the payload's size (and a delta's payload digest); then its pieces follow over
 ``[transfer] streams`` K streams, each landing at its offset in the sink. With K = 1 the
 payload is one piece, and its call is the one that brought the header; with K > 1 the header
 comes from a fetch of the payload's first byte, and the payload is cut into pieces of whole
-chunks (``wire.transfer.plan_pieces``). The payload's SHA-256 is taken once over its bytes, as
-they land in order where they do (``HashingSink``), and checked before anything reads it.
+chunks (``wire.transfer.plan_pieces``). A delta's payload digest is taken once over its
+bytes, as they land in order where they do (``HashingSink``), and checked before it is applied.
 
 The delta is applied with ``wire.downlink.apply_delta``, the same function the coordinator used
 to make its official theta, and the result is checked against the coordinator's hash; a
@@ -16,8 +16,9 @@ mismatch falls back to a whole fetch and names the tensors that differed.
 
 With ``dest`` theta is written straight into a safetensors file there (the stream lands in the
 mapped file, a delta is applied into it), which the trainers then map: no copy of theta beyond
-that file. A whole theta whose payload SHA-256 verifies is the coordinator's, byte for byte, so
-its state hash is not computed again; a rebuilt one is always hashed.
+that file. Whole or rebuilt, theta is then checked by its state digest
+(``wire.digest.state_digest``, one BLAKE3 per tensor, side by side): the one digest a whole
+theta carries, so neither the coordinator nor the site takes a second.
 
 When the version being fetched is no longer served (its round closed meanwhile) and the caller
 asked for whatever is current, or a restarted coordinator made the version again with another
@@ -27,7 +28,6 @@ by number is refused with ``NOT_FOUND``.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -44,10 +44,11 @@ from site_client.transfer.movers import FetchMover, FirstHeader, PayloadChanged,
 from site_client.transfer.plan import routed
 from site_client.transfer.progress import TransferProgress
 from wire.chunking import BufferSink
+from wire.digest import Hasher, payload_digest, state_digest
 from wire.downlink import apply_delta, differing
 from wire.proto import isthmus_pb2 as pb
 from wire.safetensors_io import MappedTensors, create_mapped
-from wire.tensors import Manifest, PayloadError, state_hash, unpack
+from wire.tensors import Manifest, PayloadError, unpack
 from wire.transfer import Piece, plan_pieces
 
 log = logging.getLogger("isthmus.site")
@@ -79,14 +80,14 @@ class MappedSink:
 
 
 class HashingSink:
-    """A sink that takes the payload's SHA-256 from the bytes as they land in order (one
+    """A sink that takes the payload's digest from the bytes as they land in order (one
     pass, while they are hot); bytes landing past the hashed ones are hashed from the sink
     at the end. A byte written again below them (two streams racing the end of a piece) may
     differ from what was hashed: then the whole payload is hashed again from the sink."""
 
-    def __init__(self, inner, sha256: bytes) -> None:
-        self.inner, self.sha256 = inner, sha256
-        self._hasher = hashlib.sha256()
+    def __init__(self, inner, digest: bytes) -> None:
+        self.inner, self.digest = inner, digest
+        self._hasher = Hasher()
         self._hashed = 0
         self._rewritten = False
         self._lock = threading.Lock()
@@ -101,18 +102,18 @@ class HashingSink:
                 self._rewritten = True
 
     def check(self) -> None:
-        """Raise unless the payload in the sink has the manifest's SHA-256."""
+        """Raise unless the payload in the sink has the manifest's digest."""
         view = self.inner.payload_view()
         if self._rewritten:
-            digest = hashlib.sha256(view).digest()
+            digest = payload_digest(view)
         else:
             rest = self._hasher.copy()
             rest.update(view[self._hashed :])
             digest = rest.digest()
-        if digest != self.sha256:
+        if digest != self.digest:
             raise CoordinatorError(
                 grpc.StatusCode.DATA_LOSS,
-                "fetch: bad payload from coordinator: payload SHA-256 mismatch once every piece "
+                "fetch: bad payload from coordinator: payload digest mismatch once every piece "
                 "was in (the streams' bytes do not make up the payload the manifest describes)",
             )
 
@@ -159,7 +160,7 @@ class ThetaFetcher:
                 return self._whole(manifest, sink, header, dest)
         except PayloadError as exc:
             raise CoordinatorError(None, f"fetch: bad payload from coordinator: {exc}") from exc
-        if state_hash(state.theta) == header.theta_hash:
+        if state_digest(state.theta) == header.theta_hash:
             return state
         if dest is not None:
             dest.unlink(missing_ok=True)  # keep the rebuilt copy readable beside the new one
@@ -178,11 +179,15 @@ class ThetaFetcher:
             # No msync: the trainers map the same file, so they see its pages as written; it
             # lives in this agent's scratch folder and is never read after a restart.
             file = sink.file
-            return GlobalState(header.version, file.tensors, header.theta_hash, dest, file)
-        theta = unpack(manifest, sink.buffer)
-        state = GlobalState(header.version, theta, header.theta_hash)
-        if state_hash(theta) != header.theta_hash:
-            raise CoordinatorError(None, "fetch: theta does not match the coordinator's hash")
+            state = GlobalState(header.version, file.tensors, header.theta_hash, dest, file)
+        else:
+            theta = unpack(manifest, sink.buffer)
+            state = GlobalState(header.version, theta, header.theta_hash)
+        if state_digest(state.theta) != header.theta_hash:
+            raise CoordinatorError(
+                grpc.StatusCode.DATA_LOSS,
+                "fetch: bad payload from coordinator: theta does not match its state digest",
+            )
         return state
 
     def _rebuild(self, held: GlobalState, manifest, payload, header, dest) -> GlobalState:
@@ -237,8 +242,15 @@ class ThetaFetcher:
         first = c.call("fetch", ask)
         header = first.header
         manifest = Manifest.from_proto(header.manifest)
-        inner = _sink_for(manifest, header.HasField("from_version"), dest)
-        sink = HashingSink(inner, manifest.sha256)
+        delta = header.HasField("from_version")
+        if delta and not manifest.digest:
+            raise CoordinatorError(
+                grpc.StatusCode.DATA_LOSS,
+                "fetch: bad payload from coordinator: a delta without its payload digest",
+            )
+        inner = _sink_for(manifest, delta, dest)
+        # A delta's payload is checked as it lands; a whole theta by its state digest after.
+        sink = HashingSink(inner, manifest.digest) if delta else inner
         progress.start(fetch_label(header), manifest.total_bytes, 0)
         total = manifest.total_bytes
         pieces = [Piece(0, total)] if streams == 1 else plan_pieces(total, c.chunk_bytes, streams)
@@ -254,5 +266,6 @@ class ThetaFetcher:
             self.opened_ahead += transfer.opened_ahead
             if streams == 1:
                 first.frames.cancel()  # ended already, unless an error left it open
-        sink.check()
+        if delta:
+            sink.check()
         return manifest, inner, header

@@ -123,7 +123,7 @@ class Cluster:
             site_codes=codes,
             coordinator_code=coord_code,
             checkpoints=self.watcher.closed_rounds(),
-            final_hash=final.get("theta_sha256"),
+            final_hash=final.get("theta_digest"),
             site_hashes={s.name: s.final_hash() for s in self.sites},
             fault_at=self.fault_at,
             problems=problems,

@@ -269,7 +269,7 @@ class HaCluster:
             site_codes=codes,
             coordinator_code=0 if coord_codes and all(c == 0 for c in coord_codes) else 1,
             checkpoints=closed,
-            final_hash=finals[-1]["theta_sha256"] if finals else None,
+            final_hash=finals[-1]["theta_digest"] if finals else None,
             site_hashes={s.name: s.final_hash() for s in self.sites},
             fault_at=self.fault_at,
             problems=problems,

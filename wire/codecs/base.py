@@ -12,7 +12,7 @@ Meta layout (little-endian)::
 
 Integrity, by layer:
 
-- Transport: the push payload's SHA-256 (``wire/chunking.py``) proves the whole payload arrived
+- Transport: the push payload's digest (``wire.digest``) proves the whole payload arrived
   as the sender hashed it; mutual TLS proves who sent it.
 - Codec: two CRC32s in the meta, one over the meta itself and one over the data, prove that this
   ``data`` and this ``meta`` belong together and are intact where they are *decoded*, which may be

@@ -29,26 +29,26 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., codec_meta: _Optional[bytes] = ..., global_shape: _Optional[_Iterable[int]] = ..., box_offset: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("tensors", "total_bytes", "sha256", "parts")
+    __slots__ = ("tensors", "total_bytes", "digest", "parts")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
-    sha256: bytes
+    digest: bytes
     parts: _containers.RepeatedCompositeFieldContainer[PayloadPart]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., parts: _Optional[_Iterable[_Union[PayloadPart, _Mapping]]] = ...) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[bytes] = ..., parts: _Optional[_Iterable[_Union[PayloadPart, _Mapping]]] = ...) -> None: ...
 
 class PayloadPart(_message.Message):
-    __slots__ = ("offset", "length", "sha256")
+    __slots__ = ("offset", "length", "digest")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     offset: int
     length: int
-    sha256: bytes
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -231,20 +231,20 @@ class FetchRequest(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., version: _Optional[int] = ..., from_version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., block_digests: _Optional[bool] = ...) -> None: ...
 
 class FetchHeader(_message.Message):
-    __slots__ = ("version", "from_version", "theta_hash", "manifest", "block_bytes", "block_sha256")
+    __slots__ = ("version", "from_version", "theta_hash", "manifest", "block_bytes", "block_digests")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
     THETA_HASH_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_SHA256_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     version: int
     from_version: int
     theta_hash: bytes
     manifest: Manifest
     block_bytes: int
-    block_sha256: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, version: _Optional[int] = ..., from_version: _Optional[int] = ..., theta_hash: _Optional[bytes] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., block_bytes: _Optional[int] = ..., block_sha256: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    block_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, version: _Optional[int] = ..., from_version: _Optional[int] = ..., theta_hash: _Optional[bytes] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., block_bytes: _Optional[int] = ..., block_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class FetchMessage(_message.Message):
     __slots__ = ("header", "chunk")
