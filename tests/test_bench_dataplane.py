@@ -42,7 +42,10 @@ def test_thread_groups_by_native_name():
     assert group_of("fold_0") == "fold"
     assert group_of("checkpoint_0") == "checkpoint"
     assert group_of("grpc-handler_3") == "grpc handlers"
-    assert group_of("MainThread") == "MainThread"  # no known part: its own name
+    assert group_of("digest_2") == "digests"
+    assert group_of("Thread-1 (_serv") == "grpc poller"
+    assert group_of("python") == "main thread"  # the process's first thread bears its name
+    assert group_of("lifeguard") == "lifeguard"  # no known part: its own name
 
 
 def test_child_threads_carry_their_python_names(tmp_path):

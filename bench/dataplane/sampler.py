@@ -50,13 +50,15 @@ def group_of(name: str) -> str:
     for prefix, group in GROUPS:
         if name.startswith(prefix):
             return group
-    return name
+    if "(_serv" in name:  # grpc's server thread, "Thread-N (_serve)": it polls and reads
+        return "grpc poller"
+    return {"python": "main thread"}.get(name, name)
 
 
 GROUPS = (
     ("fold", "fold"),
-    ("theta-hash", "publish hash"),
-    ("theta-blocks", "publish hash"),
+    ("digest", "digests"),
+    ("theta-blocks", "digests"),
     ("checkpoint", "checkpoint"),
     ("ckpt", "checkpoint"),
     ("ThreadPoolExec", "grpc handlers"),
