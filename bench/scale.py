@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         width, depth = WIDTHS[mib]
         model_bytes = depth * (width * width + width) * 4
         peak = run(root / f"u{u}-{mib}mib-{n}", mib, n, args.rounds, u)
+        if not args.keep:  # its state and spool: gigabytes at 256 MiB and 16 sites
+            shutil.rmtree(root / f"u{u}-{mib}mib-{n}", ignore_errors=True)
         table.setdefault((u, mib), {})[n] = (peak - baseline) / model_bytes
     print(f"\ncoordinator peak RSS above its import baseline ({baseline / 1e6:.0f} MB), over the")
     print("float32 model size (server.concurrent_uploads: auto = sized from the model, 0 = none):")

@@ -153,6 +153,16 @@ def run_job(folder: Path, size: str, width: int, depth: int, codec: str, args) -
     )
 
 
+def shed(folder: Path) -> None:
+    """Delete what a finished job left in ``folder`` but its logs, timing records and
+    certificates (its state, checkpoints and theta files: gigabytes at 50 M parameters)."""
+    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file() and path.suffix not in (".log", ".jsonl", ".pem"):
+            path.unlink(missing_ok=True)
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+
+
 def watch_peak_rss(proc: subprocess.Popen) -> tuple[list[int], threading.Event]:
     """Track ``proc``'s peak RSS (``VmHWM``) until it exits or the event is set."""
     peak, stop = [0], threading.Event()
@@ -312,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     for size, codec in steps(jobs, label):
         width, depth = SIZES[size]
         results.append(run_job(root / f"{size}-{codec}", size, width, depth, codec, args))
+        if not args.keep:
+            shed(root / f"{size}-{codec}")
     tiny = results.pop()
     baseline = import_baseline_rss()
     from bench.sync_floor import floor_seconds
@@ -323,4 +335,6 @@ def main(argv: list[str] | None = None) -> int:
         floor=lambda n: floor_seconds(pki, n * 4),
     )
     report(results, tiny, baseline, references)
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
     return 0

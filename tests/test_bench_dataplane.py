@@ -94,3 +94,18 @@ def test_figures_weigh_each_direction_by_its_bytes():
 def test_pass_floor_measures_each_pass():
     floor = pass_floor(16 << 20, repeats=1)
     assert floor.memcpy > 0 and floor.digest > 0 and floor.add > 0
+
+
+def test_a_finished_job_keeps_only_its_logs(tmp_path):
+    from bench.sync_run import shed
+
+    (tmp_path / "state" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "state" / "checkpoints" / "theta.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "run-0").mkdir()
+    (tmp_path / "run-0" / "timings.jsonl").write_text("{}\n")
+    (tmp_path / "coordinator.log").write_text("ok\n")
+    (tmp_path / "site-0").mkdir()
+    (tmp_path / "site-0" / "cert.pem").write_text("-----")
+    shed(tmp_path)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert left == ["coordinator.log", "run-0", "run-0/timings.jsonl", "site-0", "site-0/cert.pem"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench.dataplane.floor import pass_floor, tls_floor
 from bench.dataplane.report import Figures, plot, print_table
-from bench.dataplane.run import run_job
+from bench.dataplane.run import run_job, shed
 from bench.dataplane.sampler import Sampler
 from bench.progress import steps
 from bench.sync import SIZES
@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sites", type=int, default=2)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--codec", default="fp32", choices=["fp32", "int8"])
-    p.add_argument("--out", type=Path, help="keep the job's folder and the figure here")
+    p.add_argument("--out", type=Path, help="where the figure and the job's logs go")
+    p.add_argument("--keep", action="store_true", help="keep the job's state and checkpoints")
     args = p.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="isthmus-dataplane-"))
     width, depth = SIZES[args.size]
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                 passes = pass_floor(job.model_bytes)
     finally:
         sampler.stop()
+        if not args.keep:
+            shed(out / "job")
     figures = Figures.of(job, tls, passes)
     print_table(job, figures, args)
     plot(job, figures, out / "dataplane.png")
