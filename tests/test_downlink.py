@@ -183,3 +183,26 @@ def test_downlink_state_survives_a_checkpoint():
     c = Downlink(cfg)
     c.load_state_dict(a.state_dict(), theta_version=9)
     assert c.payload is None and c.from_version is None
+
+
+def test_raw_and_encoded_deltas_of_one_payload_keep_their_own_bytes():
+    """Encoded deltas share one scratch buffer; a raw delta packed beside them must not: its
+    bytes are the payload's until packing, after the next tensors' deltas are made."""
+    g = torch.Generator().manual_seed(3)
+    old = {
+        "a_raw": torch.randn(50, generator=g),
+        "b_int8": torch.randn(300, generator=g),
+        "c_raw": torch.randn(20, generator=g),
+        "d_int8": torch.randn(400, generator=g),
+    }
+    new = {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in old.items()}
+    cfg = CompressionConfig.from_dict(
+        {"default": "none", "rules": [{"match": "*_int8", "codec": "int8"}]}
+    )
+    manifest, payload = encode_delta(old, new, cfg, CodecState())
+    got = apply_delta(old, manifest, payload)
+    for name in ("a_raw", "c_raw"):  # fp32 delta of fp32 values: exact here
+        assert torch.equal(got[name], old[name] + (new[name] - old[name])), name
+    for name in ("b_int8", "d_int8"):
+        step = (new[name] - old[name]).abs().max() / 127
+        assert (got[name] - new[name]).abs().max() <= step, name

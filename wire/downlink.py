@@ -23,7 +23,7 @@ from collections.abc import Collection, Mapping
 import torch
 
 from wire.codecs import CodecError, CodecState, decode_into
-from wire.codecs.rules import CompressionConfig
+from wire.codecs.rules import CompressionConfig, choose_codec
 from wire.tensors import Manifest, PayloadError, dtype_name, pack_encoded, validate_payload
 
 BytesLike = bytes | bytearray | memoryview
@@ -67,29 +67,45 @@ def encode_delta(
     unknown = sorted(set(names) - old.keys()) if names is not None else []
     if unknown:
         raise ValueError(f"delta asked for tensors theta does not have: {unknown[:5]}")
-    return pack_encoded(_Deltas(old, new, names), config, state)
+    return pack_encoded(_Deltas(old, new, config, names), config, state)
 
 
 class _Deltas:
     """``new - old`` tensor by tensor, in name order, made only when asked for: encoding the
-    delta never holds more than one of them."""
+    delta never holds more than one of them.
+
+    A delta a codec encodes is written into one scratch buffer that every such tensor reuses
+    (the codec's output is new memory; memory written for the first time costs several times
+    what rewritten memory does). A delta that travels raw (codec ``none``) is its own payload
+    bytes until they are packed, so it stays a tensor of its own."""
 
     def __init__(
         self,
         old: Mapping[str, torch.Tensor],
         new: Mapping[str, torch.Tensor],
+        config: CompressionConfig,
         names: Collection[str] | None = None,
     ) -> None:
-        self.old, self.new = old, new
+        self.old, self.new, self.config = old, new, config
         self.names = sorted(old) if names is None else sorted(names)
+        self._scratch = torch.empty(0, dtype=torch.float32)
 
     def items(self):
         for name in self.names:
             a, b = self.old[name], self.new[name]
-            if a.is_floating_point():
-                yield name, b.detach().to(torch.float32) - a.detach().to(torch.float32)
-            else:
+            if not a.is_floating_point():
                 yield name, b.detach()
+                continue
+            a32, b32 = a.detach().to(torch.float32), b.detach().to(torch.float32)
+            if choose_codec(name, a, self.config).name == "none":
+                yield name, b32 - a32
+                continue
+            yield name, torch.sub(b32, a32, out=self._scratch_for(a))
+
+    def _scratch_for(self, like: torch.Tensor) -> torch.Tensor:
+        if self._scratch.numel() < like.numel():
+            self._scratch = torch.empty(like.numel(), dtype=torch.float32)
+        return self._scratch[: like.numel()].view(like.shape)
 
 
 def apply_delta(

@@ -399,6 +399,8 @@ def pack_encoded(
         else:
             enc = state.encode(name, t, codec)
             codec_name, meta, data = enc.codec, enc.meta, enc.data
+            if data.numel() and data.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                data = data.clone()  # kept until packed; the input's memory may be reused
         entry = TensorEntry(
             name, dtype_name(t.dtype), tuple(t.shape), offset, data.numel(), codec_name, meta
         )
