@@ -119,6 +119,7 @@ from wire.config_table import (
 from wire.fragments import StreamingConfig, streaming_from_job
 from wire.health import HealthConfig, health_from_job
 from wire.objstore.config import StorageConfig
+from wire.shard_plan import MAX_SHARDS
 from wire.transfer import TransferConfig, transfer_from_job
 
 __all__ = [
@@ -196,6 +197,10 @@ class StrategyConfig:
     )
 
 
+def check_fold_lanes(v: int) -> str | None:
+    return None if 1 <= v <= MAX_SHARDS else f"must be in [1, {MAX_SHARDS}], got {v}"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The ``[server]`` table: where the coordinator listens and what one RPC may bring."""
@@ -234,6 +239,13 @@ class ServerConfig:
         "streams takes up to K): the others wait their turn, first come first served, so "
         "their chunks in flight are not held in memory, and are answered ``UNAVAILABLE`` if "
         "none frees within 30 s. 0: no limit",
+    )
+    fold_lanes: int | None = setting(
+        None,
+        check=check_fold_lanes,
+        help="threads that fold updates into the round's running sum side by side, each over "
+        "its own tensors (``coordinator.round.fold_lanes``; the sum is the same bits whatever "
+        "the number). Unset: one per core the process may use, at most 8",
     )
     request_timeout_s: float = setting(
         10.0,

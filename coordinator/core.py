@@ -52,6 +52,7 @@ from coordinator.round.close import CloseParts, ClosePipeline
 from coordinator.round.counting import UpdateCounter
 from coordinator.round.downlink import Downlink
 from coordinator.round.driver import RoundDriver
+from coordinator.round.fold_lanes import FoldLanes, default_lanes
 from coordinator.round.round_tensors import RoundTensors
 from coordinator.round.spare_buffer import SpareBuffer
 from coordinator.service import heap
@@ -154,8 +155,11 @@ class CoordinatorCore:
             self.store.ship_events = remote_events_for(self.store, self.events).ship
 
     def _fold_parts(self) -> None:
-        """The one fold worker, the sum's spare buffer, and theta's files (written there)."""
+        """The fold worker (theta's files, the sum's allocation), the fold lanes, the sum's
+        spare buffer."""
         self._folder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fold")
+        lanes = self.cfg.server.fold_lanes
+        self.lanes = FoldLanes(lanes if lanes is not None else default_lanes())
         self.spare = SpareBuffer()  # each round's sum, kept for the next (round.spare_buffer)
         folder = self.cfg.state_dir / "theta"
         self.theta_files = ThetaFiles(folder, self._folder, self.stopping, self.spare.keep)
@@ -243,7 +247,7 @@ class CoordinatorCore:
             return None
         s = self.state
         names = self.tensors.names(s.round.number)
-        running = start_sum(s.theta, names, self._folder, slots, self.spare)
+        running = start_sum(s.theta, names, self._folder, slots, self.spare, self.lanes)
         for key, update in s.accepted.items():
             alpha = update.weight * self.aggregator.clip_scale(s.norms.get(key))
             running.offer(self.data.slot_of(key), key, update, alpha)
@@ -262,7 +266,8 @@ class CoordinatorCore:
         if self.evaluator is not None:
             self.evaluator.close()
         self.writer.close()
-        self._folder.shutdown(wait=True)
+        self._folder.shutdown(wait=True)  # first: a close's finish there waits for the lanes
+        self.lanes.shutdown()
         self.sink.flush()
         self._ship_events()
         self.events.close()

@@ -197,7 +197,7 @@ def test_after_a_close_theta_is_served_from_its_file_and_the_buffer_is_gone(tmp_
         heartbeat_all(core, clock, tokens, 1.0)
         for site, token in tokens.items():
             push(core, site, token, 0, delta_like(core, 0.1))
-        core._folder.submit(lambda: None).result(10)  # every fold done
+        core.lanes.settle()  # every fold done
         running = core.state.running_sum
         running._targets()
         buffer = weakref.ref(running._buffer.buffer)

@@ -9,8 +9,9 @@ Each update is decoded into the accumulator as soon as every slot before it is f
 depends only on the set of updates; the close record keeps the order actually used, so a
 replay after a crash sums the same updates in the same order, bit for bit.
 
-One worker thread does all folding; offering an update never blocks the caller. Memory: the
-accumulator (one float32 model, allocated at the first fold) plus one chunk of scratch.
+Fold lanes (``round.fold_lanes``) fold different tensors side by side, each in that order;
+offering an update never blocks the caller. Memory: the accumulator (one float32 model,
+allocated at the first fold) plus one chunk of scratch per lane.
 Updates are read back from the spool with ``readinto`` rather than mapped, so their pages stay
 out of the process.
 """
@@ -18,7 +19,7 @@ out of the process.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -26,6 +27,7 @@ import torch
 
 from coordinator.intake.spool import SpooledUpdate, read_entry, read_into
 from coordinator.records import UpdateKey
+from coordinator.round.fold_lanes import FoldLanes, Lane
 from coordinator.round.spare_buffer import SpareBuffer
 from wire.codecs import CodecError, decode_into
 from wire.tensors import PayloadError, entry_tensor
@@ -47,11 +49,19 @@ class Folded:
 FOLD_CHUNK = 1 << 20  # elements; a multiple of every vector width, so chunking is exact
 
 
-def fold_into(acc: Mapping[str, torch.Tensor], update: SpooledUpdate, alpha: float) -> None:
-    """``acc += alpha * update``, tensor by tensor (a piece into its box). A raw float32
-    tensor is read and added a chunk at a time (elementwise, so the same bits), so folding
-    holds 4 MiB of scratch rather than a tensor's worth."""
+def fold_into(
+    acc: Mapping[str, torch.Tensor],
+    update: SpooledUpdate,
+    alpha: float,
+    names: Collection[str] | None = None,
+) -> None:
+    """``acc += alpha * update``, tensor by tensor (a piece into its box); only the tensors
+    ``names`` (None: all). A raw float32 tensor is read and added a chunk at a time
+    (elementwise, so the same bits), so folding holds 4 MiB of scratch (per thread) rather than
+    a tensor's worth."""
     for e in update.manifest.entries:
+        if names is not None and e.name not in names:
+            continue
         target = acc[e.name][e.box()] if e.is_piece else acc[e.name]
         direct = e.dtype == "float32" and target.is_contiguous()
         if direct and e.codec == "none":
@@ -102,12 +112,14 @@ def start_sum(
     worker: ThreadPoolExecutor,
     slots: Sequence[str],
     spare: SpareBuffer | None = None,
+    lanes: FoldLanes | None = None,
 ) -> StreamingMean:
     """A zero sum for a round that opens, allocated when the first update is folded (not while
-    theta_r may still be in memory, on its way to its file). When every trainable tensor is
-    float32 the sum lives in a buffer laid out like theta, so that theta_{r+1} can be written
-    over it in place: the ``spare`` buffer, when the last one is free, else new memory. Only
-    theta's layout is kept, never its tensors."""
+    theta_r may still be in memory, on its way to its file: the allocation runs on ``worker``,
+    after the file's job). When every trainable tensor is float32 the sum lives in a buffer
+    laid out like theta, so that theta_{r+1} can be written over it in place: the ``spare``
+    buffer, when the last one is free, else new memory. Only theta's layout is kept, never its
+    tensors. With ``lanes`` the tensors are folded side by side (``round.fold_lanes``)."""
     manifest = replace(theta.manifest, digest=b"")
     names = list(trainable)
     if all(theta.tensors[n].dtype == torch.float32 for n in names):
@@ -123,32 +135,43 @@ def start_sum(
         def zeros():
             return {n: torch.zeros(shape, dtype=torch.float32) for n, shape in shapes.items()}, None
 
-    running = StreamingMean(zeros, worker)
+    split = None
+    if lanes is not None:
+        split = lanes.split({n: theta.tensors[n].numel() * 4 for n in names})
+    running = StreamingMean(zeros, worker, split)
     running.expect(slots)
     return running
 
 
 class StreamingMean:
-    """Folds one round's updates (see the module docstring); ``finish`` returns the mean."""
+    """Folds one round's updates (see the module docstring); ``finish`` returns the mean.
+
+    ``lanes``: the threads that fold, each over its own tensors (None: ``worker`` folds every
+    tensor). Each lane keeps its own place in the fold order.
+    """
 
     def __init__(
         self,
         like: Mapping[str, torch.Tensor] | Callable[[], tuple[dict, ThetaBuffer | None]],
         worker: ThreadPoolExecutor,
+        lanes: Sequence[Lane] | None = None,
     ) -> None:
         # The zero float32 targets (e.g. views into the next theta's buffer), or what makes
-        # them when the worker first needs them.
+        # them when they are first needed (on ``worker``).
         self._zeros = like if callable(like) else (lambda: (dict(like), None))
         self._like: dict[str, torch.Tensor] | None = None
         self._buffer: ThetaBuffer | None = None
+        self._ready: Future | None = None
         self._worker = worker
+        self._lanes = list(lanes) if lanes else [Lane(worker, frozenset())]
+        self._whole = not lanes  # one lane over every tensor
         self._lock = threading.Lock()
         self._slots: list[str] = []
         self._filled: dict[str, UpdateKey] = {}
         self._updates: dict[UpdateKey, tuple[SpooledUpdate, float]] = {}
         self._tail: set[UpdateKey] = set()
-        self._done: list[UpdateKey] = []
-        self._next = 0  # slots before this one are folded (or skipped at close)
+        self._done: list[list[UpdateKey]] = [[] for _ in self._lanes]
+        self._next = [0] * len(self._lanes)  # per lane: slots before it are folded (or skipped)
         self._error: BaseException | None = None
 
     def expect(self, slots: Sequence[str]) -> None:
@@ -166,7 +189,10 @@ class StreamingMean:
                 self._tail.add(key)
             else:
                 self._filled[slot] = key
-        self._worker.submit(self._fold_ready)
+            if self._ready is None:
+                self._ready = self._worker.submit(self._targets)
+        for i, lane in enumerate(self._lanes):
+            lane.worker.submit(self._fold_ready, i)
 
     @property
     def buffer(self) -> ThetaBuffer | None:
@@ -188,37 +214,57 @@ class StreamingMean:
         the future's result is a ``Folded``."""
         return self._worker.submit(self._finish, list(keys))
 
-    # ---- the worker thread ----------------------------------------------------------------
+    # ---- the lanes' threads ---------------------------------------------------------------
 
-    def _fold_ready(self) -> None:
+    def _fold_ready(self, lane: int) -> None:
         while self._error is None:
             with self._lock:
-                if self._next >= len(self._slots) or self._slots[self._next] not in self._filled:
+                at = self._next[lane]
+                if at >= len(self._slots) or self._slots[at] not in self._filled:
                     return
-                key = self._filled[self._slots[self._next]]
-                self._next += 1
-            self._fold(key)
+                key = self._filled[self._slots[at]]
+                self._next[lane] += 1
+            self._fold(lane, key)
 
-    def _fold(self, key: UpdateKey) -> None:
+    def _fold(self, lane: int, key: UpdateKey) -> None:
         update, alpha = self._updates[key]
         try:
-            fold_into(self._targets(), update, alpha)
+            self._ready.result()  # the targets exist (made on the worker, in its turn)
+            names = None if self._whole else self._lanes[lane].names
+            fold_into(self._targets(), update, alpha, names)
         except BaseException as exc:  # a spool file that no longer decodes: the close fails
             self._error = exc
             return
-        self._done.append(key)
+        self._done[lane].append(key)
 
-    def _finish(self, keys: list[UpdateKey]) -> Folded:
-        if self._error is not None:
-            raise self._error
-        if self._done != keys[: len(self._done)]:
-            raise RuntimeError(f"folded {self._done}, but the round closes with {keys}")
-        for key in keys[len(self._done) :]:
+    def _finish_lane(self, lane: int, keys: list[UpdateKey]) -> None:
+        done = self._done[lane]
+        if done != keys[: len(done)]:
+            raise RuntimeError(f"folded {done}, but the round closes with {keys}")
+        for key in keys[len(done) :]:
             if key not in self._updates:
                 raise RuntimeError(f"update {key.label} was never offered")
-            self._fold(key)
+            self._fold(lane, key)
             if self._error is not None:
                 raise self._error
+
+    def _finish(self, keys: list[UpdateKey]) -> Folded:
+        if self._ready is None:
+            self._targets()
+            self._ready = Future()
+            self._ready.set_result(None)
+        inline = [i for i, lane in enumerate(self._lanes) if lane.worker is self._worker]
+        side = [
+            lane.worker.submit(self._finish_lane, i, keys)
+            for i, lane in enumerate(self._lanes)
+            if i not in inline
+        ]
+        for i in inline:
+            self._finish_lane(i, keys)
+        for f in side:
+            f.result()
+        if self._error is not None:
+            raise self._error
         weights = {k: self._updates[k][0].weight for k in keys}
         total = sum(weights.values())
         if total <= 0:
