@@ -162,7 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         metavar="H:CODEC[:OUTER_LR:MOMENTUM][:P=N:tau=N:alpha=X]",
         help="DiLoCo runs, e.g. 250:int8, 10:int4+EF:1:0 or 250:fp32:1:0.6:P=2:tau=5 "
-        f"(streaming); codecs: {', '.join(CODEC_SPECS)}",
+        f"(streaming); codecs: {', '.join(CODEC_SPECS)}".replace("%", "%%"),  # argparse's %
     )
     p.add_argument("--batch", type=int, help="rows per site per step (default: the scale's)")
     p.add_argument("--lr", type=float, help="DiLoCo's peak inner AdamW lr (default: the scale's)")

@@ -9,10 +9,11 @@ from pathlib import Path
 
 from bench.dataplane.floor import pass_floor, tls_floor
 from bench.dataplane.report import Figures, plot, print_table
-from bench.dataplane.run import run_job, shed
+from bench.dataplane.run import run_job
 from bench.dataplane.sampler import Sampler
 from bench.progress import steps
 from bench.sync import SIZES
+from bench.sync_run import shed
 
 
 def main(argv: list[str] | None = None) -> int:
