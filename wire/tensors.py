@@ -125,6 +125,13 @@ class Manifest:
         ``total_bytes``)."""
         return sum(4 * math.prod(e.shape) for e in self.entries)
 
+    def bytes_by_codec(self) -> dict[str, int]:
+        """The payload's bytes per codec (an adaptive job's update names its rung here)."""
+        out: dict[str, int] = {}
+        for e in self.entries:
+            out[e.codec] = out.get(e.codec, 0) + e.nbytes
+        return out
+
     def to_proto(self) -> pb.Manifest:
         return pb.Manifest(
             tensors=[
@@ -395,6 +402,7 @@ def pack_encoded(
         codec = choose_codec(name, t, config)
         if codec.name == "none":
             codec_name, meta = "none", b""
+            t = state.carry(name, t)  # what an earlier rung's error feedback withheld
             data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         else:
             enc = state.encode(name, t, codec)

@@ -98,6 +98,13 @@ def read_pieces(paths: list[Path]) -> tuple[list[_Piece], list[MappedTensors]]:
     return [pieces[k] for k in sorted(pieces)], files
 
 
+def piece_shapes(paths: list[Path]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every floating piece in the trainers' files: what an adaptive codec
+    choice predicts the payload's size from (``wire.codecs.adaptive``)."""
+    pieces, _ = read_pieces(paths)
+    return [(p.name, tuple(p.tensor.shape)) for p in pieces if p.tensor.is_floating_point()]
+
+
 def build_payload(
     paths: list[Path], compression: CompressionConfig | None, state: CodecState
 ) -> UpdatePayload:
@@ -117,7 +124,7 @@ def build_payload(
         )
         codec = choose_codec(p.name, p.tensor, compression) if compression else None
         if codec is None or codec.name == "none":
-            data = tensor_bytes(p.tensor)
+            data = tensor_bytes(state.carry(entry.label, p.tensor))
         else:
             enc = state.encode(entry.label, p.tensor, codec)
             data, entry = enc.buffer(), replace(entry, codec=enc.codec, codec_meta=enc.meta)

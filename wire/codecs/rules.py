@@ -83,6 +83,25 @@ class CompressionConfig:
         help="``[[compression.rules]]``, tried in order, the first match wins (the next table); "
         "sites read the same rules from the config the coordinator hands them",
     )
+    mode: str = setting(
+        "fixed",
+        help="``fixed``: every transfer uses ``default`` and ``rules`` as written; "
+        "``adaptive``: each transfer takes the least lossy rung of ``ladder`` whose predicted "
+        "time (its size over the link's measured throughput) fits ``deadline_fraction`` of "
+        "the compute it overlaps (``wire.codecs.adaptive``); ``rules`` still apply",
+    )
+    ladder: tuple[Codec, ...] = setting(
+        (),
+        help='with ``mode = "adaptive"``: the codecs to choose from, least lossy first, each a '
+        'name or a table (``["none", "bf16", "int8", "int4", { codec = "topk", fraction = '
+        "0.01 }]``); the chosen rung stands for ``default``",
+    )
+    deadline_fraction: float = setting(
+        0.8,
+        help='with ``mode = "adaptive"``: the share of the compute time a transfer overlaps '
+        "(``delay_steps`` of a streaming round, the round's steps when blocking) it may take, "
+        "in (0, 1]",
+    )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str = "compression") -> CompressionConfig:
@@ -103,16 +122,22 @@ class CompressionConfig:
         """
         if not isinstance(data, Mapping):
             raise CodecConfigError(f"{path}: expected a table, got {type(data).__name__}")
-        _reject_unknown(data, ("default", "rules"), path)
-        default = data.get("default", "none")
-        if isinstance(default, str):
-            default = {"codec": default}
-        default_codec = _codec_from(default, f"{path}.default", ())
+        _reject_unknown(data, ("default", "rules", "mode", "ladder", "deadline_fraction"), path)
+        mode = data.get("mode", "fixed")
+        if mode not in ("fixed", "adaptive"):
+            raise CodecConfigError(f"{path}.mode: expected 'fixed' or 'adaptive', got {mode!r}")
         rules = data.get("rules", [])
         if not isinstance(rules, list):
             raise CodecConfigError(f"{path}.rules: expected an array of tables")
+        rules = tuple(_rule_from(r, f"{path}.rules[{i}]") for i, r in enumerate(rules))
+        if mode == "adaptive":
+            ladder, fraction = _adaptive_from(data, path)
+            return cls(ladder[0], rules, mode, ladder, fraction)
+        for key in ("ladder", "deadline_fraction"):
+            if key in data:
+                raise CodecConfigError(f"{path}.{key}: only with mode = 'adaptive'")
         return cls(
-            default_codec, tuple(_rule_from(r, f"{path}.rules[{i}]") for i, r in enumerate(rules))
+            _codec_from(_as_codec_table(data.get("default", "none")), f"{path}.default", ()), rules
         )
 
 
@@ -140,6 +165,34 @@ def _reject_unknown(data: Mapping[str, Any], allowed: Sequence[str], path: str) 
     for key in data:
         if key not in allowed:
             raise CodecConfigError(f"{path}.{key}: unknown key (expected one of {list(allowed)})")
+
+
+def _as_codec_table(value: Any) -> Any:
+    return {"codec": value} if isinstance(value, str) else value
+
+
+def _adaptive_from(data: Mapping[str, Any], path: str) -> tuple[tuple[Codec, ...], float]:
+    """The ladder and deadline fraction of an adaptive table."""
+    if "default" in data:
+        raise CodecConfigError(
+            f"{path}.default: not used with mode = 'adaptive' (the chosen rung of "
+            f"{path}.ladder stands for it); remove it"
+        )
+    ladder = data.get("ladder")
+    if not isinstance(ladder, list) or not ladder:
+        raise CodecConfigError(
+            f"{path}.ladder: mode = 'adaptive' needs a non-empty array of codecs, least lossy "
+            f'first (e.g. ["none", "bf16", "int8", "int4"]), got {ladder!r}'
+        )
+    codecs = tuple(
+        _codec_from(_as_codec_table(c), f"{path}.ladder[{i}]", ()) for i, c in enumerate(ladder)
+    )
+    fraction = data.get("deadline_fraction", 0.8)
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+        raise CodecConfigError(f"{path}.deadline_fraction: expected a number, got {fraction!r}")
+    if not 0 < fraction <= 1 or not math.isfinite(fraction):
+        raise CodecConfigError(f"{path}.deadline_fraction: must be in (0, 1], got {fraction!r}")
+    return codecs, float(fraction)
 
 
 def _rule_from(data: Any, path: str) -> CodecRule:

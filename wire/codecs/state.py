@@ -91,8 +91,39 @@ class CodecState:
             self._tensors.pop(name, None)
 
     def encode(self, name: str, x: torch.Tensor, codec: Codec) -> Encoded:
-        """Encode ``x`` with this tensor's state when ``codec`` uses error feedback."""
-        return codec.encode(x, self[name] if codec.error_feedback else None, name=name)
+        """Encode ``x`` with this tensor's state when ``codec`` uses error feedback. A codec
+        without it sends ``x`` plus the residual an earlier codec left (an adaptive job's
+        change of rung, ``wire.codecs.adaptive``), which is then forgotten: what an earlier
+        rung withheld is sent, never dropped. The state changes only once encoded."""
+        if codec.error_feedback or not self.owes(name):
+            return codec.encode(x, self[name] if codec.error_feedback else None, name=name)
+        enc = codec.encode(self._with_residual(name, x), None, name=name)
+        self._tensors.pop(name)
+        return enc
+
+    def owes(self, name: str) -> bool:
+        """Whether tensor ``name`` holds a residual that has not been sent yet."""
+        state = self._tensors.get(name)
+        return state is not None and state.residual is not None
+
+    def carry(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` plus tensor ``name``'s residual (in ``x``'s dtype), the residual forgotten:
+        for a tensor sent raw (codec ``none``) after a codec with error feedback. ``x``
+        itself when nothing is owed."""
+        if not self.owes(name):
+            return x
+        out = self._with_residual(name, x)
+        self._tensors.pop(name)
+        return out
+
+    def _with_residual(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        r = self._tensors[name].residual
+        if r.shape != x.shape:
+            raise CodecError(
+                f"{who(name)}: codec residual has shape {list(r.shape)}, the tensor "
+                f"{list(x.shape)}; reset the codec state to change shapes"
+            )
+        return (x.detach().to("cpu", torch.float32) + r).to(x.dtype)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
