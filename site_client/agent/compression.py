@@ -1,8 +1,10 @@
-"""The site's side of update compression: the job's codec rules and the error-feedback
-residuals, which outlive a restart of the agent (fsynced beside the site's checkpoints)."""
+"""The site's side of update compression: the job's codec rules, the error-feedback
+residuals, which outlive a restart of the agent (fsynced beside the site's checkpoints), and
+under ``mode = "adaptive"`` the rung each update goes up with (``UplinkCodecs``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import tomllib
 from pathlib import Path
@@ -10,7 +12,10 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from wire.codecs import CodecState
+from wire.codecs.adaptive import CodecChoice, LinkRate, Shapes, at_rung, choose_rung, deadline_s
 from wire.codecs.rules import CompressionConfig, compression_tables
+
+log = logging.getLogger("isthmus.site")
 
 CODEC_STATE_FILE = "codec_state.safetensors"
 
@@ -36,3 +41,40 @@ def save_codec_state(path: Path, state: CodecState) -> None:
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class UplinkCodecs:
+    """The compression each update goes up with: the job's, or under ``mode = "adaptive"``
+    the rung ``wire.codecs.adaptive.choose_rung`` picks from this site's measured push
+    throughput and its trainers' last task time. A change of rung is logged with its reason,
+    and a ladder that cannot meet its deadline is said once (until it can again)."""
+
+    def __init__(self, compression: CompressionConfig | None, overlap: float, site: str) -> None:
+        self.compression, self.overlap, self.site = compression, overlap, site
+        self.rate = LinkRate()
+        self.last: CodecChoice | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.compression is not None and self.compression.mode == "adaptive"
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """A push moved ``nbytes`` in ``seconds`` of transfer (the checkpoint's hold left out)."""
+        self.rate = self.rate.observe(nbytes, seconds)
+
+    def choose(
+        self, shapes: Shapes, compute_s: float | None
+    ) -> tuple[CompressionConfig | None, CodecChoice | None]:
+        """The config for an update of ``shapes`` and, when adaptive, the choice behind it."""
+        if not self.adaptive:
+            return self.compression, None
+        cfg = self.compression
+        deadline = deadline_s(compute_s, self.overlap, cfg.deadline_fraction)
+        choice = choose_rung(cfg, shapes, self.rate, deadline)
+        before, self.last = self.last, choice
+        if before is None or before.rung != choice.rung:
+            was = "" if before is None else f"{before.codec} -> "
+            log.info("[%s] uplink codec %s%s (%s)", self.site, was, choice.codec, choice.reason)
+        if not choice.fits and (before is None or before.fits):
+            log.warning("[%s] uplink: %s", self.site, choice.reason)
+        return at_rung(cfg, choice.rung), choice

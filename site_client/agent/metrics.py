@@ -27,6 +27,7 @@ class ComputeClock:
     started: float | None = None
     training_since: float | None = None
     trained_s: float = 0.0
+    last_task_s: float | None = None  # the last task's, from taking it to handing it over
 
     def task_taken(self, now: float) -> None:
         self.started = now if self.started is None else self.started
@@ -35,7 +36,8 @@ class ComputeClock:
 
     def task_handed_over(self, now: float) -> None:
         if self.training_since is not None:
-            self.trained_s += now - self.training_since
+            self.last_task_s = now - self.training_since
+            self.trained_s += self.last_task_s
             self.training_since = None
 
     def seconds(self, now: float) -> tuple[float, float]:

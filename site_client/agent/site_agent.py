@@ -28,6 +28,7 @@ from site_client.agent.wan import WanWorker
 from site_client.local_ipc import IpcServer
 from site_client.transfer.client import CoordinatorClient, CoordinatorError
 from wire.backoff import DeadlineExceeded
+from wire.codecs.adaptive import overlap_of
 from wire.proto import isthmus_pb2 as pb
 
 __all__ = ["AgentConfig", "SiteAgent", "default_shm_dir"]
@@ -93,9 +94,20 @@ class SiteAgent:
         self.channel.streaming = "streaming" in _toml_or_empty(job_config)
         codec_state = load_codec_state(self.cfg.run_dir / CODEC_STATE_FILE)
         self.wan = WanWorker(
-            self.state, self.client, self.cfg, compression_of(job_config), codec_state
+            self.state,
+            self.client,
+            self.cfg,
+            compression_of(job_config),
+            codec_state,
+            overlap_of(_toml_or_empty(job_config)),
         )
         if self.cfg.nodes > 1:
+            if self.wan.codecs.adaptive:
+                log.warning(
+                    "[%s] compression.mode = 'adaptive' is not built for sites of several "
+                    "hosts: every part goes up with the ladder's first rung",
+                    self.cfg.site,
+                )
             self.channel.encoder = PartEncoder(0, self.wan.compression, codec_state)
             self.channel.lease = lambda: self.client.lease
         self.state.heard(reply.round, [])

@@ -247,6 +247,7 @@ class TrainerChannel:
                 upload.payload, upload.part = placed
                 upload.upload_id = str(req["upload_id"])
             s.compute.task_handed_over(time.monotonic())
+            s.progress.task_compute_s = s.compute.last_task_s or 0.0
             if outcome != "accepted":
                 for path in paths:
                     Path(path).unlink(missing_ok=True)

@@ -22,15 +22,16 @@ from pathlib import Path
 
 import grpc
 
-from site_client.agent.compression import CODEC_STATE_FILE, save_codec_state
+from site_client.agent.compression import CODEC_STATE_FILE, UplinkCodecs, save_codec_state
 from site_client.agent.state import AgentConfig, AgentState, Offer
 from site_client.agent.tasks import describe, task_of
-from site_client.agent.update_payload import build_payload, residual_snapshot
+from site_client.agent.update_payload import build_payload, piece_shapes, residual_snapshot
 from site_client.errors import CoordinatorError, PartsStalled, PushAborted
 from site_client.timings import record
 from site_client.transfer.theta import GlobalState
 from wire.backoff import DeadlineExceeded
 from wire.codecs import CodecState
+from wire.codecs.adaptive import LinkRate
 from wire.codecs.rules import CompressionConfig
 from wire.safetensors_io import map_tensors, write_tensors
 
@@ -46,9 +47,14 @@ class WanWorker:
         cfg: AgentConfig,
         compression: CompressionConfig | None,
         codec_state: CodecState,
+        overlap: float = 1.0,
     ) -> None:
         self.state, self.client, self.cfg = state, client, cfg
         self.compression, self.codec_state = compression, codec_state
+        # The codec of each update (``mode = "adaptive"``: chosen from the pushes before).
+        self.codecs = UplinkCodecs(compression, overlap, cfg.site)
+        self._choice = None  # the adaptive choice behind the update being pushed
+        self.down_rate = LinkRate()  # this site's fetches, for the coordinator's downlink
 
     def loop(self, interval_s: float) -> None:
         """The WAN thread: wait for work, do it, until the agent stops or fails."""
@@ -123,7 +129,11 @@ class WanWorker:
             return
         cpu_s = time.process_time() - cpu
         seconds = time.monotonic() - started
+        got_bytes = self.client.bytes_received - received
+        # Told to the coordinator with each heartbeat: its adaptive downlink reads it.
+        self.down_rate = self.down_rate.observe(got_bytes, seconds)
         with s.cond:
+            s.progress.fetch_bytes_per_s = self.down_rate.bytes_per_s or 0.0
             s.transfers.add("fetch", seconds)
             previous = s.ready
             s.held = got
@@ -138,7 +148,6 @@ class WanWorker:
             )
             s.progress.phase = "training"
             s.cond.notify_all()
-        got_bytes = self.client.bytes_received - received
         record(
             self.cfg.run_dir / TIMINGS,
             "fetch",
@@ -215,6 +224,7 @@ class WanWorker:
             s.cond.notify_all()
         sent, seconds = self.client.bytes_sent - sent_before, time.monotonic() - started
         held_s = getattr(self.client, "last_push_held_s", 0.0)
+        self.codecs.observe(sent, seconds - held_s)
         with s.cond:
             s.transfers.add("push", seconds, held_s)
         record(
@@ -227,6 +237,7 @@ class WanWorker:
             held_s=held_s,
             counted=counted,
             cpu_s=round(cpu_s, 4),
+            **(self._choice.as_record() if self._choice is not None else {}),
         )
         log.info(
             "[%s] %s: pushed %.2f MB in %.2fs (%s)",
@@ -243,8 +254,13 @@ class WanWorker:
         cost per byte, without the encoding before it). Outcome None: refused as early, to be
         pushed later."""
         resend = job.payload is not None and job.part is None  # a part is placed at hand-off
+        self._choice = None
         if job.payload is None:
-            job.payload = build_payload(job.paths, self.compression, self.codec_state)
+            with self.state.cond:
+                compute_s = self.state.compute.last_task_s
+            shapes = piece_shapes(job.paths) if self.codecs.adaptive else []
+            compression, self._choice = self.codecs.choose(shapes, compute_s)
+            job.payload = build_payload(job.paths, compression, self.codec_state)
         cpu = time.process_time()
         outcome, counted = self._outcome(job, resend)
         return outcome, counted, time.process_time() - cpu

@@ -135,18 +135,22 @@ class JoinReply(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., job_name: _Optional[str] = ..., job_config: _Optional[bytes] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("round", "inner_step", "train_loss", "phase", "merge_wait_s")
+    __slots__ = ("round", "inner_step", "train_loss", "phase", "merge_wait_s", "fetch_bytes_per_s", "task_compute_s")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     MERGE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TASK_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     round: int
     inner_step: int
     train_loss: float
     phase: str
     merge_wait_s: float
-    def __init__(self, round: _Optional[int] = ..., inner_step: _Optional[int] = ..., train_loss: _Optional[float] = ..., phase: _Optional[str] = ..., merge_wait_s: _Optional[float] = ...) -> None: ...
+    fetch_bytes_per_s: float
+    task_compute_s: float
+    def __init__(self, round: _Optional[int] = ..., inner_step: _Optional[int] = ..., train_loss: _Optional[float] = ..., phase: _Optional[str] = ..., merge_wait_s: _Optional[float] = ..., fetch_bytes_per_s: _Optional[float] = ..., task_compute_s: _Optional[float] = ...) -> None: ...
 
 class Command(_message.Message):
     __slots__ = ("new_round", "cancel_unit", "drain")
