@@ -17,6 +17,7 @@ import math
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -58,6 +59,7 @@ from coordinator.round.spare_buffer import SpareBuffer
 from coordinator.service import heap
 from coordinator.service.send_slots import SendSlots
 from strategies import RobustAggregator, load_strategy
+from wire.codecs.adaptive import overlap_of
 from wire.health import Probe
 from wire.transfer import Piece, range_problem
 
@@ -83,7 +85,8 @@ class CoordinatorCore:
         self.aggregator = RobustAggregator.from_config(cfg.aggregation)
         self._open_state(term)
         downlink = round_tensors.downlink_config(cfg.downlink, cfg.streaming)
-        self.downlink = Downlink(downlink) if downlink is not None else None
+        overlap = overlap_of(tomllib.loads(cfg.source_toml.decode())) if cfg.source_toml else 1.0
+        self.downlink = Downlink(downlink, overlap) if downlink is not None else None
         self.sink = EventSink(self.events)
         self.control = self._site_control()
         # Set when the coordinator stops: what waits for disk space (persist.disk) gives up.

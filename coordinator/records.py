@@ -5,7 +5,7 @@ where it is a value), never a string to split or a dict to index."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.persist.theta_file import ThetaSource
 from wire.health import Probe
@@ -142,6 +142,9 @@ class SiteRecord:
     progress: dict | None = None
     last_data_at: float | None = None  # last chunk of an update received
     health: Probe | None = None  # the newest health probe (``wire.health``)
+    # Bytes of its counted updates per codec, since this coordinator started (adaptive jobs
+    # show their rungs here).
+    codec_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

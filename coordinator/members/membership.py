@@ -60,6 +60,7 @@ class Membership:
             last_heartbeat=now,
             last_update_at=old.last_update_at if old else None,
             last_round_pushed=old.last_round_pushed if old else None,
+            codec_bytes=old.codec_bytes if old else {},
         )
         self.detector.forget(site)
         self.detector.heartbeat(site, now)
@@ -140,6 +141,11 @@ class Membership:
         self.suspected = frozenset(quiet)
         return change
 
-    def note_update(self, site: str, round_number: int, now: float) -> None:
+    def note_update(
+        self, site: str, round_number: int, now: float, codecs: dict[str, int] | None = None
+    ) -> None:
+        """A counted update of ``site``; ``codecs``: its payload's bytes per codec."""
         record = self.record(site)
         record.last_update_at, record.last_round_pushed = now, round_number
+        for codec, nbytes in (codecs or {}).items():
+            record.codec_bytes[codec] = record.codec_bytes.get(codec, 0) + nbytes

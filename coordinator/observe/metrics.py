@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from coordinator.observe.status import StatusSnapshot
 
@@ -191,6 +191,14 @@ class SnapshotCollector:
         for name, doc, value in job:
             yield GaugeMetricFamily(PREFIX + name, doc, value=float(value))
         yield from _site_families(snap)
+        codecs = CounterMetricFamily(
+            PREFIX + "site_update_bytes_by_codec",
+            "Bytes of a site's counted updates per codec (adaptive compression: per rung)",
+            labels=["site", "codec"],
+        )
+        for site, codec, nbytes in snap.codec_bytes:
+            codecs.add_metric([site, codec], float(nbytes))
+        yield codecs
         if snap.evaluation is not None:  # [evaluation]: the newest result of the hook
             ev = snap.evaluation
             yield GaugeMetricFamily(

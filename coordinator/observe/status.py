@@ -32,6 +32,7 @@ class StatusSnapshot:
     waiting_reason: str
     evaluation: Evaluation | None = None
     fragments: int = 0  # [streaming] fragments; 0 without
+    codec_bytes: tuple[tuple[str, str, int], ...] = ()  # (site, codec, bytes of its updates)
 
 
 def snapshot_of(core, now: float) -> StatusSnapshot:
@@ -64,6 +65,11 @@ def snapshot_of(core, now: float) -> StatusSnapshot:
         waiting_reason=core.waiting_reason(),
         evaluation=s.evaluation,
         fragments=core.tensors.fragments,
+        codec_bytes=tuple(
+            (site, codec, n)
+            for site, rec in sorted(members.sites.items())
+            for codec, n in sorted(rec.codec_bytes.items())
+        ),
     )
 
 

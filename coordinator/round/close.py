@@ -53,6 +53,7 @@ from strategies.base import (
     steps_in_place,
 )
 from strategies.robust import Outcome
+from wire.codecs.adaptive import codec_label
 from wire.theta import ThetaBuffer
 
 log = logging.getLogger("isthmus.coordinator")
@@ -84,14 +85,14 @@ class CloseParts:
 class ClosePipeline:
     def __init__(self, parts: CloseParts) -> None:
         self.p = parts
+        self._downlink_rung: int | None = None  # the adaptive downlink's last, for the log
 
     def run(self, order: CloseOrder) -> None:
         started = time.monotonic()
         r = order.round.number
         clock = _Phases()
         try:
-            if not order.replay:
-                self.record(order)
+            rung = order.downlink_rung if order.replay else self.record(order)
             clock.lap("record_s")
             outcome = self.aggregate(order)
             clock.lap("aggregate_s")
@@ -102,7 +103,7 @@ class ClosePipeline:
             if self.p.downlink is not None:
                 if nxt is theta:  # nothing counted: theta_r is being served, do not write it
                     nxt = ThetaBuffer.copy_of(theta.tensors)
-                self.p.downlink.step(theta.tensors, nxt.tensors, r, self._synced(r))
+                self.p.downlink.step(theta.tensors, nxt.tensors, r, self._synced(r), rung)
             self.p.theta_files.release()
             clock.lap("downlink_s")
             strategy_state = check_state(self.p.strategy, call_hook(self.p.strategy, "state_dict"))
@@ -115,7 +116,7 @@ class ClosePipeline:
             log.exception("outer step failed; the last checkpoint is unchanged")
             raise FatalError(self.p.state.fatal) from exc
         self._note(r, outcome)
-        theta_hash, meta, nxt = self.publish(order, nxt, outcome, clock)
+        theta_hash, meta, nxt = self.publish(order, nxt, outcome, clock, rung)
         served = functools.partial(self._served_from_file, r + 1)
         written = self.p.theta_files.submit(r + 1, nxt, served)
         del nxt  # theta_{r+1}'s buffer goes once its file serves (the next sum needs the room)
@@ -142,19 +143,46 @@ class ClosePipeline:
 
     # ---- the steps --------------------------------------------------------------------------
 
-    def record(self, order: CloseOrder) -> None:
-        """The decision, durable before anything is computed from it."""
+    def record(self, order: CloseOrder) -> int | None:
+        """The decision, durable before anything is computed from it; with an adaptive
+        downlink its rung is part of it (returned)."""
         record = {
             "keys": [k.to_json() for k in order.keys],
             "reason": order.reason,
             "participants": sorted(order.round.participants),
             "slots": list(order.slots),
         }
+        choice = self._downlink_choice(order)
+        if choice is not None:
+            record["downlink"] = choice.as_record()
         until_written(
             lambda: self.p.spool.write_close(order.round.number, record),
             f"recording the close of round {order.round.number}",
             self.p.stopping,
         )
+        return None if choice is None else choice.rung
+
+    def _downlink_choice(self, order: CloseOrder):
+        """An adaptive downlink's rung for theta_{r+1}'s delta, from the round's sites'
+        reports (``coordinator.round.downlink``); logged when it changes."""
+        down = self.p.downlink
+        if down is None or not down.adaptive:
+            return None
+        r = order.round.number
+        names = self._synced(r) or [
+            n for n, t in self.p.state.theta.tensors.items() if t.is_floating_point()
+        ]
+        shapes = [(n, tuple(self.p.state.theta.tensors[n].shape)) for n in names]
+        with self.p.lock:
+            sites = self.p.members.sites
+            reports = [
+                sites[x].progress or {} for x in sorted(order.round.participants) if x in sites
+            ]
+        choice = down.choose(shapes, reports)
+        if choice.rung != self._downlink_rung:
+            log.info("round %d: downlink codec %s (%s)", r, choice.codec, choice.reason)
+            self._downlink_rung = choice.rung
+        return choice
 
     def aggregate(self, order: CloseOrder) -> Outcome:
         r = order.round.number
@@ -228,8 +256,9 @@ class ClosePipeline:
                 current.release(name)
         return new
 
-    def publish(self, order: CloseOrder, nxt: ThetaBuffer, outcome: Outcome, clock=None):
-        """Hash theta_{r+1}, make it the served theta and open the way to round r+1."""
+    def publish(self, order: CloseOrder, nxt: ThetaBuffer, outcome: Outcome, clock=None, rung=None):
+        """Hash theta_{r+1}, make it the served theta and open the way to round r+1
+        (``rung``: an adaptive downlink's, for the event)."""
         r = order.round.number
         theta_hash = hash_theta(nxt)
         phases = clock.lap("hash_s") if clock is not None else {}
@@ -276,6 +305,7 @@ class ClosePipeline:
                         if "train_loss" in m
                     },
                     rejected=dict(outcome.rejected),
+                    **self._downlink_event(rung),
                 )
             s.changed()
         self.p.uploads.drop_rounds_before(r + 1)
@@ -307,6 +337,12 @@ class ClosePipeline:
         self.p.writer.submit(ckpt, written)
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _downlink_event(self, rung: int | None) -> dict:
+        down = self.p.downlink
+        if down is None or not down.adaptive:
+            return {}
+        return {"downlink_codec": codec_label(down.config.ladder[rung or 0])}
 
     def _synced(self, round_number: int):
         """The tensors round ``round_number``'s delta carries (None: all of theta)."""

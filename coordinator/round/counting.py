@@ -107,7 +107,8 @@ class UpdateCounter:
         if s.running_sum is not None:
             alpha = spooled.weight * self.aggregator.clip_scale(norm)
             s.running_sum.offer(self.data.slot_of(key), key, spooled, alpha)
-        self.members.note_update(upload.site, upload.round, now)
+        codecs = upload.manifest.bytes_by_codec()
+        self.members.note_update(upload.site, upload.round, now, codecs)
         self.post(
             "update",
             round=upload.round,
@@ -119,6 +120,7 @@ class UpdateCounter:
             digest=upload.manifest.digest.hex(),
             bytes=upload.manifest.total_bytes,
             fp32_bytes=upload.manifest.fp32_bytes(),
+            codecs=codecs,
         )
         log.info("round %d: update %s counted (weight %g)", upload.round, key.label, spooled.weight)
         s.changed()

@@ -13,12 +13,14 @@ crash-free and the crashed run stay bit-identical.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import statistics
+from collections.abc import Mapping, Sequence
 
 import torch
 from google.protobuf.message import DecodeError
 
 from wire.codecs import CodecError, CodecState
+from wire.codecs.adaptive import CodecChoice, LinkRate, Shapes, at_rung, choose_rung, deadline_s
 from wire.codecs.rules import CompressionConfig
 from wire.downlink import apply_delta, encode_delta
 from wire.proto import isthmus_pb2 as pb
@@ -30,14 +32,37 @@ PAYLOAD, MANIFEST, FROM = "delta/payload", "delta/manifest", "delta/from_version
 
 
 class Downlink:
-    """Encodes each new theta as a delta; holds the last delta for ``Fetch(from_version)``."""
+    """Encodes each new theta as a delta; holds the last delta for ``Fetch(from_version)``.
 
-    def __init__(self, config: CompressionConfig) -> None:
-        self.config = config
+    With ``mode = "adaptive"`` each delta's rung is chosen at the close (``choose``) from
+    what the round's sites reported: the slowest one's fetch throughput, their trainers' task
+    time (the median) times ``overlap``. The close record keeps the rung, so a replay after a
+    crash encodes the same delta."""
+
+    def __init__(self, config: CompressionConfig, overlap: float = 1.0) -> None:
+        self.config, self.overlap = config, overlap
         self.codec_state = CodecState()
         self.from_version: int | None = None
         self.manifest: Manifest | None = None
         self.payload: memoryview | bytes | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.config.mode == "adaptive"
+
+    def choose(self, shapes: Shapes, reports: Sequence[Mapping]) -> CodecChoice | None:
+        """The rung of the next delta (None: not adaptive). ``shapes``: the tensors it
+        carries; ``reports``: the round's sites' last progress (``fetch_bytes_per_s``,
+        ``task_compute_s``; 0 or absent: not measured)."""
+        if not self.adaptive:
+            return None
+        rates = [r.get("fetch_bytes_per_s", 0.0) for r in reports]
+        rates = [x for x in rates if x > 0]
+        computes = [x for x in (r.get("task_compute_s", 0.0) for r in reports) if x > 0]
+        rate = LinkRate(min(rates), len(rates)) if rates else LinkRate()
+        compute = statistics.median(computes) if computes else None
+        deadline = deadline_s(compute, self.overlap, self.config.deadline_fraction)
+        return choose_rung(self.config, shapes, rate, deadline)
 
     def step(
         self,
@@ -45,12 +70,18 @@ class Downlink:
         new: dict[str, torch.Tensor],
         old_version: int,
         names: Sequence[str] | None = None,
+        rung: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """Make ``new`` (the strategy's theta_{old_version + 1}) the official one, in place:
         theta_r plus exactly what the sites will decode. With ``names`` (``[streaming]``: the
         round's fragment, the only tensors the step changed) the delta carries only those;
-        every other tensor of ``new`` is set to theta_r's."""
-        manifest, payload = encode_delta(old, new, self.config, self.codec_state, names)
+        every other tensor of ``new`` is set to theta_r's. ``rung``: the adaptive ladder's
+        rung the close chose (None: the ladder's first)."""
+        config = self.config
+        if self.adaptive:  # a rung recorded under another ladder: the first (a changed job)
+            ok = rung is not None and 0 <= rung < len(config.ladder)
+            config = at_rung(config, rung if ok else 0)
+        manifest, payload = encode_delta(old, new, config, self.codec_state, names)
         self.manifest, self.payload, self.from_version = manifest, payload, old_version
         return apply_delta(old, manifest, self.payload, out=new)
 

@@ -39,6 +39,7 @@ class CloseOrder:
     clipped: dict[str, float] = field(default_factory=dict)
     replay: bool = False
     after_pin: str = ""  # a pinned round's close: "kept" (as recorded) or "released"
+    downlink_rung: int | None = None  # a replay's: the adaptive downlink's rung, as recorded
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,7 @@ def _replay_close(core, number: int, record: dict, check: SpoolCheck) -> PinnedC
         s.running_sum,
         clipped,
         replay=True,
+        downlink_rung=record.get("downlink", {}).get("rung"),
     )
     core.pipeline.run(order)
     return None

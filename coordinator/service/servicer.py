@@ -198,6 +198,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             "train_loss": p.train_loss,
             "phase": p.phase[:32],  # shown in every Status reply: keep it small
             "merge_wait_s": p.merge_wait_s if math.isfinite(p.merge_wait_s) else 0.0,
+            # What an adaptive downlink chooses from (``coordinator.round.downlink``).
+            "fetch_bytes_per_s": _measured(p.fetch_bytes_per_s),
+            "task_compute_s": _measured(p.task_compute_s),
         }
         probe = probe_of(request.health) if request.HasField("health") else None
         site = request.lease.site
@@ -417,3 +420,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             request.site, not request.undrain, request.reason
         )
         return pb.DrainReply(changed=changed, message=message, drained=drained)
+
+
+def _measured(value: float) -> float:
+    """A figure a site measured: finite and positive, else 0 (not measured)."""
+    return value if math.isfinite(value) and value > 0 else 0.0
