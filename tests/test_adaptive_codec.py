@@ -236,3 +236,15 @@ def test_every_rung_of_the_downlink_keeps_theta_bit_identical_on_the_sites():
         for name in official:
             assert torch.equal(site[name], official[name]), (rung, name)
         theta = {k: v.clone() for k, v in official.items()}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -5.0, 0.0])
+def test_a_reported_figure_that_is_not_a_measurement_is_taken_as_none(value):
+    """A site's heartbeat figures feed the downlink's choice: NaN, infinity and negatives
+    count as not measured, so they can neither break the choice nor pass as a link."""
+    from coordinator.service.servicer import _measured
+
+    assert _measured(value) == 0.0 and _measured(2.5) == 2.5
+    down = Downlink(adaptive())
+    choice = down.choose(SHAPES, [{"fetch_bytes_per_s": _measured(value), "task_compute_s": 1.0}])
+    assert choice.rung == 0 and "no transfer measured yet" in choice.reason

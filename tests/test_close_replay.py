@@ -78,3 +78,31 @@ def test_without_a_close_record_the_round_replays_open(tmp_path):
     want = {n: t - 1.5 for n, t in core.theta.items() if t.is_floating_point()}
     got = again.theta
     assert all(torch.allclose(got[n], want[n]) for n in want)
+
+
+def test_a_replayed_close_encodes_the_adaptive_downlink_at_the_recorded_rung(tmp_path, monkeypatch):
+    """The rung came from what the sites reported before the crash; the restarted coordinator
+    has heard nothing yet (it would choose the first rung), so only the close record can give
+    the same delta, and so the same theta_{r+1}."""
+    ladder = {"mode": "adaptive", "ladder": ["none", "int8", "int4"]}
+    sections = {"compression": {"downlink": ladder}, "strategy": {"name": "diloco"}}
+    clock = Clock()
+    core, tokens = start(tmp_path, clock, **sections)
+    slow = {"fetch_bytes_per_s": 10.0, "task_compute_s": 1.0}  # no rung fits: the last
+    for site, token in tokens.items():
+        core.heartbeat(site, token, slow)
+    monkeypatch.setattr(
+        store_mod.CheckpointStore, "save", lambda self, ckpt: (_ for _ in ()).throw(OSError())
+    )
+    core.stopping.set()  # the failed checkpoint write is not retried: the process "dies"
+    run_round(core, clock, tokens, 0)
+    published = core.published.theta_hash
+    assert {e.codec for e in core.published.delta_manifest.entries} == {"int4"}
+    close = json.loads((tmp_path / "state/spool/round-00000000/_close.json").read_text())
+    assert close["downlink"]["codec"] == "int4" and close["downlink"]["fits"] is False
+    core.events.close()
+    monkeypatch.undo()
+
+    again = new_core(tmp_path, Clock(50.0), **sections)
+    assert again.round.number == 1 and again.published.theta_hash == published
+    assert {e.codec for e in again.published.delta_manifest.entries} == {"int4"}

@@ -53,7 +53,6 @@ from strategies.base import (
     steps_in_place,
 )
 from strategies.robust import Outcome
-from wire.codecs.adaptive import codec_label
 from wire.theta import ThetaBuffer
 
 log = logging.getLogger("isthmus.coordinator")
@@ -85,7 +84,6 @@ class CloseParts:
 class ClosePipeline:
     def __init__(self, parts: CloseParts) -> None:
         self.p = parts
-        self._downlink_rung: int | None = None  # the adaptive downlink's last, for the log
 
     def run(self, order: CloseOrder) -> None:
         started = time.monotonic()
@@ -163,26 +161,17 @@ class ClosePipeline:
         return None if choice is None else choice.rung
 
     def _downlink_choice(self, order: CloseOrder):
-        """An adaptive downlink's rung for theta_{r+1}'s delta, from the round's sites'
-        reports (``coordinator.round.downlink``); logged when it changes."""
+        """An adaptive downlink's rung for theta_{r+1}'s delta (None: not adaptive)."""
         down = self.p.downlink
         if down is None or not down.adaptive:
             return None
-        r = order.round.number
-        names = self._synced(r) or [
-            n for n, t in self.p.state.theta.tensors.items() if t.is_floating_point()
-        ]
-        shapes = [(n, tuple(self.p.state.theta.tensors[n].shape)) for n in names]
         with self.p.lock:
             sites = self.p.members.sites
             reports = [
                 sites[x].progress or {} for x in sorted(order.round.participants) if x in sites
             ]
-        choice = down.choose(shapes, reports)
-        if choice.rung != self._downlink_rung:
-            log.info("round %d: downlink codec %s (%s)", r, choice.codec, choice.reason)
-            self._downlink_rung = choice.rung
-        return choice
+        r = order.round.number
+        return down.choose_for(self.p.state.theta.tensors, self._synced(r), reports, r)
 
     def aggregate(self, order: CloseOrder) -> Outcome:
         r = order.round.number
@@ -305,7 +294,7 @@ class ClosePipeline:
                         if "train_loss" in m
                     },
                     rejected=dict(outcome.rejected),
-                    **self._downlink_event(rung),
+                    **(self.p.downlink.event_fields(rung) if self.p.downlink else {}),
                 )
             s.changed()
         self.p.uploads.drop_rounds_before(r + 1)
@@ -337,12 +326,6 @@ class ClosePipeline:
         self.p.writer.submit(ckpt, written)
 
     # ---- helpers ----------------------------------------------------------------------------
-
-    def _downlink_event(self, rung: int | None) -> dict:
-        down = self.p.downlink
-        if down is None or not down.adaptive:
-            return {}
-        return {"downlink_codec": codec_label(down.config.ladder[rung or 0])}
 
     def _synced(self, round_number: int):
         """The tensors round ``round_number``'s delta carries (None: all of theta)."""

@@ -20,7 +20,15 @@ import torch
 from google.protobuf.message import DecodeError
 
 from wire.codecs import CodecError, CodecState
-from wire.codecs.adaptive import CodecChoice, LinkRate, Shapes, at_rung, choose_rung, deadline_s
+from wire.codecs.adaptive import (
+    CodecChoice,
+    LinkRate,
+    Shapes,
+    at_rung,
+    choose_rung,
+    codec_label,
+    deadline_s,
+)
 from wire.codecs.rules import CompressionConfig
 from wire.downlink import apply_delta, encode_delta
 from wire.proto import isthmus_pb2 as pb
@@ -42,6 +50,7 @@ class Downlink:
     def __init__(self, config: CompressionConfig, overlap: float = 1.0) -> None:
         self.config, self.overlap = config, overlap
         self.codec_state = CodecState()
+        self._last_rung: int | None = None  # the adaptive rung chosen last, for the log
         self.from_version: int | None = None
         self.manifest: Manifest | None = None
         self.payload: memoryview | bytes | None = None
@@ -64,6 +73,34 @@ class Downlink:
         deadline = deadline_s(compute, self.overlap, self.config.deadline_fraction)
         return choose_rung(self.config, shapes, rate, deadline)
 
+    def choose_for(
+        self,
+        theta: Mapping[str, torch.Tensor],
+        names: Sequence[str] | None,
+        reports: Sequence[Mapping],
+        round_number: int,
+    ) -> CodecChoice | None:
+        """``choose`` for the delta of ``names`` (None: every floating tensor of ``theta``);
+        a change of rung is logged with its reason."""
+        if not self.adaptive:
+            return None
+        names = names or [n for n, t in theta.items() if t.is_floating_point()]
+        choice = self.choose([(n, tuple(theta[n].shape)) for n in names], reports)
+        if choice.rung != self._last_rung:
+            log.info("round %d: downlink codec %s (%s)", round_number, choice.codec, choice.reason)
+            self._last_rung = choice.rung
+        return choice
+
+    def event_fields(self, rung: int | None) -> dict:
+        """What a ``round_closed`` event says of an adaptive downlink's delta."""
+        if not self.adaptive:
+            return {}
+        return {"downlink_codec": codec_label(self.config.ladder[self._rung_or_first(rung)])}
+
+    def _rung_or_first(self, rung: int | None) -> int:
+        """``rung``, or the first when it is unset or of another ladder (a changed job)."""
+        return rung if rung is not None and 0 <= rung < len(self.config.ladder) else 0
+
     def step(
         self,
         old: dict[str, torch.Tensor],
@@ -78,9 +115,8 @@ class Downlink:
         every other tensor of ``new`` is set to theta_r's. ``rung``: the adaptive ladder's
         rung the close chose (None: the ladder's first)."""
         config = self.config
-        if self.adaptive:  # a rung recorded under another ladder: the first (a changed job)
-            ok = rung is not None and 0 <= rung < len(config.ladder)
-            config = at_rung(config, rung if ok else 0)
+        if self.adaptive:
+            config = at_rung(config, self._rung_or_first(rung))
         manifest, payload = encode_delta(old, new, config, self.codec_state, names)
         self.manifest, self.payload, self.from_version = manifest, payload, old_version
         return apply_delta(old, manifest, self.payload, out=new)
