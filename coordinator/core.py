@@ -355,7 +355,7 @@ class CoordinatorCore:
                 return f"round {s.round.number} was decided before a restart; waiting for {lost}"
             now = self.clock()
             return self.data.waiting_reason(
-                now, s.round, self.members.responsive(now), self.cfg.rounds
+                now, s.round, self.members.responsive(now), self.cfg.rounds, self.driver.grace()
             )
 
     # ---- membership -----------------------------------------------------------------------

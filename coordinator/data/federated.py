@@ -51,8 +51,10 @@ class FederatedData:
     def close_view(self, round: RoundState, responsive: set[str]) -> tuple[RoundState, set[str]]:
         return round, responsive
 
-    def waiting_reason(self, now: float, round: RoundState, live: set[str], opts: RoundOptions):
-        return waiting_reason(now, round, live, opts)
+    def waiting_reason(
+        self, now, round: RoundState, live: set[str], opts: RoundOptions, grace=None
+    ):
+        return waiting_reason(now, round, live, opts, grace)
 
     def speculate(self, now, round, members, post) -> bool:
         return False  # data stays at its site: no backup copies
@@ -125,11 +127,13 @@ class FederatedData:
         """The open round with ``key`` counted (a late update is not one of its own)."""
         if key.late_from is not None:
             return round
-        return record_update(round, key.site, weight)
+        return record_update(round, key.site, weight, now)
 
     def replay(self, round: RoundState, key: UpdateKey, weight: float) -> RoundState:
         """Count a spooled update of the round in flight again after a restart."""
-        return self.record(round, key, weight, 0.0, None)
+        if key.late_from is not None:
+            return round
+        return record_update(round, key.site, weight)
 
     def readmit(self, round: RoundState, key: UpdateKey) -> None:
         """A spooled update was lost at a restart: nothing to undo, its site is a participant

@@ -87,11 +87,13 @@ class SharedData:
         alive = {u for u in units if set(self.ledger.holders(round.number, u)) & live}
         return replace(round, participants=frozenset(units), received=received), alive
 
-    def waiting_reason(self, now: float, round: RoundState, live: set[str], opts: RoundOptions):
+    def waiting_reason(
+        self, now, round: RoundState, live: set[str], opts: RoundOptions, grace=None
+    ):
         if round.opened_at is None:
             return waiting_reason(now, round, live, opts)
         view, alive = self.close_view(round, live)
-        decision = decide_close(now, view, alive, opts)
+        decision = decide_close(now, view, alive, opts, grace)
         missing = self.ledger.uncommitted(round.number)
         if decision.act or not missing or "deadline passed" in decision.reason:
             return decision.reason
@@ -205,7 +207,7 @@ class SharedData:
                 key.site,
                 loser,
             )
-        return record_update(round, key.unit, weight)
+        return record_update(round, key.unit, weight, now)
 
     def replay(self, round: RoundState, key: UpdateKey, weight: float) -> RoundState:
         """Commit a spooled unit of the round in flight again after a restart (same site)."""

@@ -18,7 +18,15 @@ from coordinator.intake.spool import SpooledUpdate
 from coordinator.members.membership import Membership
 from coordinator.records import FatalError, PinnedClose, UpdateKey
 from coordinator.round.accumulate import StreamingMean, fold_order
-from coordinator.round.rules import RoundState, admit_latecomers, decide_close, open_round
+from coordinator.round.rules import (
+    GRACE_HISTORY,
+    RoundState,
+    admit_latecomers,
+    arrival_spread,
+    decide_close,
+    grace_window,
+    open_round,
+)
 from coordinator.state import CoordinatorState
 from strategies import Strategy, StrategyError
 from strategies.base import call_hook
@@ -61,6 +69,12 @@ class RoundDriver:
     ) -> None:
         self.state, self.members, self.data, self.opts = state, members, data, opts
         self.strategy, self.post, self.new_sum = strategy, post, new_sum
+        # The arrival spreads of the rounds every participant delivered to (``grace_window``).
+        self.spreads: list[float] = []
+
+    def grace(self) -> float | None:
+        """How long a round with its quorum waits for the rest now (``rules.grace_window``)."""
+        return grace_window(self.spreads, self.opts)
 
     def tick(self, now: float) -> Tick:
         """Advance membership and the round by one step of the rules."""
@@ -152,9 +166,12 @@ class RoundDriver:
         if self.data.speculate(now, s.round, self.members, self.post):
             s.changed()
         view, alive = self.data.close_view(s.round, responsive)
-        decision = decide_close(now, view, alive, self.opts)
+        decision = decide_close(now, view, alive, self.opts, self.grace())
         if not decision.act:
             return None
+        spread = arrival_spread(view)
+        if spread is not None and decision.reason.startswith("all "):  # every one delivered
+            self.spreads = [*self.spreads[-GRACE_HISTORY:], spread]
         released, s.pinned = s.pinned is not None, None
         return self._order(self.fold_order(), decision.reason, "released" if released else "")
 

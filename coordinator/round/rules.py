@@ -7,11 +7,14 @@ Three questions, each answered in one place:
 * whether an update counts (``admit_update``): only for the open round, from a participant, once;
 * when a round closes (``decide_close``): when every participant that still holds a lease has
   delivered, or at the deadline if at least ``min_sites`` updates are in. Below quorum it keeps
-  waiting and says why.
+  waiting and says why. With ``grace_s`` a round that has its quorum waits at most a grace
+  window (``grace_window``: fixed, or a multiple of recent rounds' arrival spread) for the
+  rest, so a slow or dead site costs the others the grace, not the deadline.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from wire.config_table import ConfigError, positive, rule, setting
@@ -59,6 +62,22 @@ class RoundsConfig:
         "fragment: a coordinator round is ``H / fragments`` steps)",
     )
 
+    grace_s: float | None = setting(
+        None,
+        check=rule(lambda v: v >= 0, "must be >= 0"),
+        help="once ``min_sites`` updates are in, wait at most this long for the other "
+        "participants, then close (their updates arrive late: dropped, or folded into the "
+        "next round by the strategy's ``late_discount``). Unset: wait for every live "
+        "participant until the deadline (deterministic rounds)",
+    )
+    grace_spread_factor: float = setting(
+        0.0,
+        check=rule(lambda v: v >= 0, "must be >= 0"),
+        help="> 0: the grace is this multiple of the arrival spread (first to last update) of "
+        "the recent rounds every participant delivered to (the median of the last "
+        "``GRACE_HISTORY``), at most ``grace_s``; 0: ``grace_s`` itself",
+    )
+
     def check(self) -> None:
         """A round can never have more than ``max_sites``, so it must allow ``min_sites``."""
         if self.max_sites < self.min_sites:
@@ -81,6 +100,7 @@ class RoundState:
     participants: frozenset[str] = frozenset()
     received: dict[str, float] = field(default_factory=dict)
     closed: bool = False
+    arrivals: dict[str, float] = field(default_factory=dict)  # when each update was counted
 
 
 @dataclass(frozen=True)
@@ -112,14 +132,16 @@ def open_round(now: float, state: RoundState, live: set[str], opts: RoundsConfig
     return replace(state, opened_at=now, quorum_since=quorum_since, participants=chosen)
 
 
-def waiting_reason(now: float, state: RoundState, live: set[str], opts: RoundsConfig) -> str:
+def waiting_reason(
+    now: float, state: RoundState, live: set[str], opts: RoundsConfig, grace=None
+) -> str:
     if state.opened_at is None:
         if len(live) < opts.min_sites:
             return f"waiting for sites: {len(live)} of min_sites={opts.min_sites} have joined"
         since = state.quorum_since if state.quorum_since is not None else now
         left = opts.join_window_s - (now - since)
         return f"quorum reached; opening in {max(left, 0):.1f}s unless more sites join"
-    return decide_close(now, state, live, opts).reason
+    return decide_close(now, state, live, opts, grace).reason
 
 
 def admit_round(state: RoundState, round_number: int) -> None:
@@ -165,14 +187,60 @@ def admit_latecomers(
     return replace(state, participants=state.participants | frozenset(newcomers))
 
 
-def decide_close(now: float, state: RoundState, live: set[str], opts: RoundsConfig) -> Decision:
-    """Whether the open round closes now, and why (or why not)."""
+GRACE_HISTORY = 5  # rounds whose arrival spread sets an adaptive grace
+
+
+def grace_window(spreads: Sequence[float], opts: RoundsConfig) -> float | None:
+    """How long a round with its quorum waits for the rest (None: until the deadline).
+    ``spreads``: the arrival spreads of the rounds closed with every participant, oldest
+    first; with ``grace_spread_factor`` the grace follows the last ``GRACE_HISTORY`` of them
+    (the median, times the factor), never above ``grace_s``."""
+    if opts.grace_s is None:
+        return None
+    recent = sorted(spreads[-GRACE_HISTORY:])
+    if opts.grace_spread_factor <= 0 or not recent:
+        return opts.grace_s
+    median = recent[len(recent) // 2]
+    return min(opts.grace_s, opts.grace_spread_factor * median)
+
+
+def quorum_at(state: RoundState, min_sites: int) -> float | None:
+    """When the ``min_sites``-th update was counted (an update replayed after a restart
+    counts from the round's opening); None below quorum."""
+    if len(state.received) < min_sites or min_sites < 1:
+        return None
+    times = sorted(state.arrivals.get(k, state.opened_at or 0.0) for k in state.received)
+    return times[min_sites - 1]
+
+
+def arrival_spread(state: RoundState) -> float | None:
+    """First to last update of a round, from the updates counted live (None: fewer than 2)."""
+    times = [state.arrivals[k] for k in state.received if k in state.arrivals]
+    return max(times) - min(times) if len(times) >= 2 else None
+
+
+def decide_close(
+    now: float,
+    state: RoundState,
+    live: set[str],
+    opts: RoundsConfig,
+    grace: float | None = None,
+) -> Decision:
+    """Whether the open round closes now, and why (or why not). ``grace``: how long a round
+    with its quorum waits for the rest (``grace_window``; None: until the deadline)."""
     if state.opened_at is None or state.closed:
         return Decision(False, "round not open")
     got = len(state.received)
     outstanding = sorted((state.participants & live) - state.received.keys())
     if not outstanding and got >= opts.min_sites:
         return Decision(True, f"all {got} live participants delivered")
+    since = quorum_at(state, opts.min_sites) if grace is not None else None
+    if since is not None and outstanding and now >= since + grace:
+        return Decision(
+            True,
+            f"{got} updates, quorum (min_sites={opts.min_sites}) reached {now - since:.1f}s "
+            f"ago: the {grace:.1f}s grace is over; not waiting for {', '.join(outstanding)}",
+        )
     if now >= state.opened_at + opts.deadline_s:
         if got >= opts.min_sites:
             return Decision(
@@ -187,11 +255,18 @@ def decide_close(now: float, state: RoundState, live: set[str], opts: RoundsConf
         return Decision(
             False, f"{got} of min_sites={opts.min_sites} updates and no live participant left"
         )
-    return Decision(False, f"waiting on {len(outstanding)} site(s): {', '.join(outstanding)}")
+    waiting = f"waiting on {len(outstanding)} site(s): {', '.join(outstanding)}"
+    if since is not None:
+        waiting += f" (closing in {max(since + grace - now, 0.0):.1f}s: the grace after quorum)"
+    return Decision(False, waiting)
 
 
-def record_update(state: RoundState, site: str, weight: float) -> RoundState:
-    return replace(state, received={**state.received, site: weight})
+def record_update(
+    state: RoundState, site: str, weight: float, now: float | None = None
+) -> RoundState:
+    """``state`` with ``site``'s update counted (``now``: when; None for a replay)."""
+    arrivals = state.arrivals if now is None else {**state.arrivals, site: now}
+    return replace(state, received={**state.received, site: weight}, arrivals=arrivals)
 
 
 def next_round(state: RoundState) -> RoundState:
