@@ -199,7 +199,7 @@ class WanWorker:
         started = time.monotonic()
         sent_before = self.client.bytes_sent
         residuals = residual_snapshot(self.codec_state)
-        outcome, counted, cpu_s = self._send(job)
+        outcome, counted, cpu_s, wire_s = self._send(job)
         if outcome is None:  # the coordinator is at an earlier round: push it once there
             self.codec_state.load_state_dict(residuals)  # encoded again then, the same
             with s.cond:
@@ -224,7 +224,7 @@ class WanWorker:
             s.cond.notify_all()
         sent, seconds = self.client.bytes_sent - sent_before, time.monotonic() - started
         held_s = getattr(self.client, "last_push_held_s", 0.0)
-        self.codecs.observe(sent, seconds - held_s)
+        self.codecs.observe(sent, wire_s - held_s)  # the link's rate: encoding left out
         with s.cond:
             s.transfers.add("push", seconds, held_s)
         record(
@@ -248,11 +248,11 @@ class WanWorker:
             outcome,
         )
 
-    def _send(self, job) -> tuple[str | None, bool, float]:
+    def _send(self, job) -> tuple[str | None, bool, float, float]:
         """Push ``job`` (its held payload when it is sent again); the outcome for the log,
-        whether it counted and the process's CPU seconds while the push ran (the transfer's
-        cost per byte, without the encoding before it). Outcome None: refused as early, to be
-        pushed later."""
+        whether it counted, and the process's CPU seconds and the wall seconds while the push
+        ran (the transfer alone, without the encoding before it). Outcome None: refused as
+        early, to be pushed later."""
         resend = job.payload is not None and job.part is None  # a part is placed at hand-off
         self._choice = None
         if job.payload is None:
@@ -261,9 +261,9 @@ class WanWorker:
             shapes = piece_shapes(job.paths) if self.codecs.adaptive else []
             compression, self._choice = self.codecs.choose(shapes, compute_s)
             job.payload = build_payload(job.paths, compression, self.codec_state)
-        cpu = time.process_time()
+        cpu, wall = time.process_time(), time.monotonic()
         outcome, counted = self._outcome(job, resend)
-        return outcome, counted, time.process_time() - cpu
+        return outcome, counted, time.process_time() - cpu, time.monotonic() - wall
 
     def _outcome(self, job, resend: bool) -> tuple[str | None, bool]:
         try:
