@@ -145,6 +145,8 @@ class SiteRecord:
     # Bytes of its counted updates per codec, since this coordinator started (adaptive jobs
     # show their rungs here).
     codec_bytes: dict[str, int] = field(default_factory=dict)
+    updates_counted: int = 0  # since this coordinator started
+    late_updates: int = 0  # of those, counted into the round after their own
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,8 @@ class Membership:
             last_update_at=old.last_update_at if old else None,
             last_round_pushed=old.last_round_pushed if old else None,
             codec_bytes=old.codec_bytes if old else {},
+            updates_counted=old.updates_counted if old else 0,
+            late_updates=old.late_updates if old else 0,
         )
         self.detector.forget(site)
         self.detector.heartbeat(site, now)
@@ -142,10 +144,18 @@ class Membership:
         return change
 
     def note_update(
-        self, site: str, round_number: int, now: float, codecs: dict[str, int] | None = None
+        self,
+        site: str,
+        round_number: int,
+        now: float,
+        codecs: dict[str, int] | None = None,
+        late: bool = False,
     ) -> None:
-        """A counted update of ``site``; ``codecs``: its payload's bytes per codec."""
+        """A counted update of ``site``; ``codecs``: its payload's bytes per codec; ``late``:
+        counted into the round after its own."""
         record = self.record(site)
         record.last_update_at, record.last_round_pushed = now, round_number
+        record.updates_counted += 1
+        record.late_updates += int(late)
         for codec, nbytes in (codecs or {}).items():
             record.codec_bytes[codec] = record.codec_bytes.get(codec, 0) + nbytes

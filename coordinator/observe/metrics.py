@@ -225,6 +225,19 @@ def _site_families(snap: StatusSnapshot):
         "site_round": ("The round the site last reported", lambda s: float(s.progress.round)),
         "site_inner_step": ("The inner step it last reported", lambda s: s.progress.inner_step),
         "site_train_loss": ("Its last reported train loss", lambda s: s.progress.train_loss),
+        "site_steps_per_second": (
+            "Inner steps per second of its last task (0: none measured yet)",
+            lambda s: s.progress.steps_per_s,
+        ),
+        "site_compute_utilisation": (
+            "The share of time its trainers spent in tasks since their first (the rest: "
+            "waiting on the WAN)",
+            lambda s: s.progress.compute_utilisation,
+        ),
+        "site_late_updates": (
+            "Of those, counted late (into the round after their own)",
+            lambda s: float(s.late_updates),
+        ),
         "site_merge_wait_seconds": (
             "Seconds its trainers waited for late fragment results (streaming), in all",
             lambda s: s.progress.merge_wait_s,

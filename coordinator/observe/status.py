@@ -98,7 +98,11 @@ def _site_status(core, name: str, now: float) -> pb.SiteStatus:
             train_loss=p.get("train_loss", 0.0),
             phase=p.get("phase", ""),
             merge_wait_s=p.get("merge_wait_s", 0.0),
+            steps_per_s=p.get("steps_per_s", 0.0),
+            compute_utilisation=p.get("compute_utilisation", 0.0),
         ),
+        updates_counted=rec.updates_counted,
+        late_updates=rec.late_updates,
     )
 
 
@@ -205,6 +209,9 @@ SITE_COLUMNS = (
     "UNITS",
     "PHASE",
     "LOSS",
+    "STEPS/S",
+    "UTIL",
+    "COUNTED",
     "MERGE WAIT",
     "HEALTH",
 )
@@ -224,8 +231,18 @@ def _site_row(x: pb.SiteStatus) -> tuple[str, ...]:
         ",".join(x.data_units) or "-",
         f"{p.phase} r{p.round} step {p.inner_step}" if p.phase else "-",
         f"{p.train_loss:.4f}" if p.train_loss else "-",
+        f"{p.steps_per_s:.3g}" if p.steps_per_s else "-",
+        f"{p.compute_utilisation:.0%}" if p.compute_utilisation else "-",
+        _counted(x),
         f"{p.merge_wait_s:.1f}s" if p.merge_wait_s else "-",
         _health_cell(x.health) if x.HasField("health") else "-",
+    )
+
+
+def _counted(x: pb.SiteStatus) -> str:
+    """Updates counted, with how many of them late."""
+    return (
+        f"{x.updates_counted} ({x.late_updates} late)" if x.late_updates else str(x.updates_counted)
     )
 
 

@@ -201,6 +201,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             # What an adaptive downlink chooses from (``coordinator.round.downlink``).
             "fetch_bytes_per_s": _measured(p.fetch_bytes_per_s),
             "task_compute_s": _measured(p.task_compute_s),
+            "steps_per_s": _measured(p.steps_per_s),
+            "compute_utilisation": min(_measured(p.compute_utilisation), 1.0),
         }
         probe = probe_of(request.health) if request.HasField("health") else None
         site = request.lease.site

@@ -28,17 +28,26 @@ class ComputeClock:
     training_since: float | None = None
     trained_s: float = 0.0
     last_task_s: float | None = None  # the last task's, from taking it to handing it over
+    task_steps: int = 0  # the inner steps of the task being trained
+    last_steps_per_s: float = 0.0  # the last task's inner steps over its seconds
 
-    def task_taken(self, now: float) -> None:
+    def task_taken(self, now: float, steps: int = 0) -> None:
         self.started = now if self.started is None else self.started
         if self.training_since is None:
-            self.training_since = now
+            self.training_since, self.task_steps = now, steps
 
     def task_handed_over(self, now: float) -> None:
         if self.training_since is not None:
             self.last_task_s = now - self.training_since
             self.trained_s += self.last_task_s
             self.training_since = None
+            if self.last_task_s > 0 and self.task_steps:
+                self.last_steps_per_s = self.task_steps / self.last_task_s
+
+    def utilisation(self, now: float) -> float:
+        """Time in tasks over the wall time since the first (0 before any)."""
+        trained, wall = self.seconds(now)
+        return trained / wall if wall > 0 else 0.0
 
     def seconds(self, now: float) -> tuple[float, float]:
         """(training, wall) seconds so far."""

@@ -168,7 +168,7 @@ class TrainerChannel:
             if not offer["finished"]:
                 task = Task(offer["round"], offer["data_unit"])
                 s.book.issue(task, offer["version"], offer["theta_hash"])
-                s.compute.task_taken(time.monotonic())
+                s.compute.task_taken(time.monotonic(), int(offer.get("inner_steps", 0)))
             if self.cfg.nodes > 1 and (lease := self.lease()) is not None:
                 offer["lease"] = lease_json(lease)  # for the other nodes' agents
             return {"ready": True, **offer}
@@ -246,8 +246,11 @@ class TrainerChannel:
                 upload = s.book.pending[task]
                 upload.payload, upload.part = placed
                 upload.upload_id = str(req["upload_id"])
-            s.compute.task_handed_over(time.monotonic())
+            now = time.monotonic()
+            s.compute.task_handed_over(now)
             s.progress.task_compute_s = s.compute.last_task_s or 0.0
+            s.progress.steps_per_s = s.compute.last_steps_per_s
+            s.progress.compute_utilisation = s.compute.utilisation(now)
             if outcome != "accepted":
                 for path in paths:
                     Path(path).unlink(missing_ok=True)

@@ -135,7 +135,7 @@ class JoinReply(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., job_name: _Optional[str] = ..., job_config: _Optional[bytes] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("round", "inner_step", "train_loss", "phase", "merge_wait_s", "fetch_bytes_per_s", "task_compute_s")
+    __slots__ = ("round", "inner_step", "train_loss", "phase", "merge_wait_s", "fetch_bytes_per_s", "task_compute_s", "steps_per_s", "compute_utilisation")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,8 @@ class Progress(_message.Message):
     MERGE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     FETCH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     TASK_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_UTILISATION_FIELD_NUMBER: _ClassVar[int]
     round: int
     inner_step: int
     train_loss: float
@@ -150,7 +152,9 @@ class Progress(_message.Message):
     merge_wait_s: float
     fetch_bytes_per_s: float
     task_compute_s: float
-    def __init__(self, round: _Optional[int] = ..., inner_step: _Optional[int] = ..., train_loss: _Optional[float] = ..., phase: _Optional[str] = ..., merge_wait_s: _Optional[float] = ..., fetch_bytes_per_s: _Optional[float] = ..., task_compute_s: _Optional[float] = ...) -> None: ...
+    steps_per_s: float
+    compute_utilisation: float
+    def __init__(self, round: _Optional[int] = ..., inner_step: _Optional[int] = ..., train_loss: _Optional[float] = ..., phase: _Optional[str] = ..., merge_wait_s: _Optional[float] = ..., fetch_bytes_per_s: _Optional[float] = ..., task_compute_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., compute_utilisation: _Optional[float] = ...) -> None: ...
 
 class Command(_message.Message):
     __slots__ = ("new_round", "cancel_unit", "drain")
@@ -329,7 +333,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SiteStatus(_message.Message):
-    __slots__ = ("site", "state", "token", "lease_remaining_s", "last_heartbeat_age_s", "last_update_age_s", "last_round_pushed", "progress", "phi", "suspected", "data_units", "drained", "health")
+    __slots__ = ("site", "state", "token", "lease_remaining_s", "last_heartbeat_age_s", "last_update_age_s", "last_round_pushed", "progress", "phi", "suspected", "data_units", "drained", "health", "updates_counted", "late_updates")
     SITE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +347,8 @@ class SiteStatus(_message.Message):
     DATA_UNITS_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_COUNTED_FIELD_NUMBER: _ClassVar[int]
+    LATE_UPDATES_FIELD_NUMBER: _ClassVar[int]
     site: str
     state: str
     token: int
@@ -356,7 +362,9 @@ class SiteStatus(_message.Message):
     data_units: _containers.RepeatedScalarFieldContainer[str]
     drained: str
     health: HealthReport
-    def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., last_update_age_s: _Optional[float] = ..., last_round_pushed: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., phi: _Optional[float] = ..., suspected: _Optional[bool] = ..., data_units: _Optional[_Iterable[str]] = ..., drained: _Optional[str] = ..., health: _Optional[_Union[HealthReport, _Mapping]] = ...) -> None: ...
+    updates_counted: int
+    late_updates: int
+    def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., last_update_age_s: _Optional[float] = ..., last_round_pushed: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., phi: _Optional[float] = ..., suspected: _Optional[bool] = ..., data_units: _Optional[_Iterable[str]] = ..., drained: _Optional[str] = ..., health: _Optional[_Union[HealthReport, _Mapping]] = ..., updates_counted: _Optional[int] = ..., late_updates: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out", "rejections", "aggregation", "data_mode", "units_committed", "units_pending", "evaluation", "fragments")
