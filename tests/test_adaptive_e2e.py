@@ -37,7 +37,9 @@ def _pushes(site_dir: Path) -> list[dict]:
 
 
 def test_a_link_slowed_mid_run_moves_both_directions_down_the_ladder(tmp_path):
-    spec = AdaptiveSpec(rounds=6, inner_steps=8, checkpoint_every=100)
+    # 32 steps a round: a deadline of a few tenths of a second, which a loopback push of the
+    # float32 model meets even on a loaded machine, and the slowed link misses at every rung.
+    spec = AdaptiveSpec(rounds=6, inner_steps=32, checkpoint_every=100)
     cluster = Cluster(tmp_path, spec).start()
     try:
         cluster.wait_closed(2)
@@ -51,9 +53,10 @@ def test_a_link_slowed_mid_run_moves_both_directions_down_the_ladder(tmp_path):
 
     for site in cluster.sites:
         pushes = _pushes(site.run_dir)
-        assert [p["codec"] for p in pushes[:2]] == ["none", "none"], pushes
-        assert pushes[-1]["codec"] != "none", pushes  # down the ladder once the link slowed
-        assert pushes[-1]["rung"] > 0 and pushes[-1]["predicted_s"] is not None
+        assert pushes[0]["codec"] == "none", pushes  # nothing measured yet: the first rung
+        last = pushes[-1]  # the link slowed: down the ladder (to int4 here, unless loaded)
+        assert last["codec"] in LADDER[1:] and last["rung"] == LADDER.index(last["codec"])
+        assert last["fits"] == (last["predicted_s"] <= last["deadline_s"]), pushes
 
     updates = [e for e in record.events if e["kind"] == "update"]
     first, last = updates[0], updates[-1]
@@ -61,4 +64,4 @@ def test_a_link_slowed_mid_run_moves_both_directions_down_the_ladder(tmp_path):
     assert set(last["codecs"]) - {"none"}, last  # its tensors sent int8 or int4 now
     closes = [e for e in record.events if e["kind"] == "round_closed"]
     codecs = [e["downlink_codec"] for e in closes]
-    assert codecs[0] == "none" and codecs[-1] in LADDER[1:], codecs
+    assert codecs[-1] in LADDER[1:] and LADDER.index(codecs[-1]) >= LADDER.index(codecs[0]), codecs
