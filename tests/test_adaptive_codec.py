@@ -36,17 +36,33 @@ def adaptive(**extra) -> CompressionConfig:
 # ---- the measured link --------------------------------------------------------------------
 
 
-def test_a_rate_is_measured_from_its_first_transfer_and_smoothed_per_byte():
+def test_a_link_is_measured_from_its_first_transfer_the_newest_weighing_most():
     rate = LinkRate().observe(1_000_000, 1.0)
-    assert rate.bytes_per_s == pytest.approx(1e6) and rate.samples == 1
-    slower = rate.observe(1_000_000, 9.0)  # 0.111 MB/s: the mean of 1 and 9 us per byte
-    assert slower.bytes_per_s == pytest.approx(1e6 / 5) and slower.samples == 2
+    assert rate.bytes_per_s == pytest.approx(1e6) and rate.latency_s == 0.0
+    slower = rate.observe(1_000_000, 9.0)  # one size: all of the time per byte, weighted 1:2
+    assert slower.bytes_per_s == pytest.approx(1e6 / ((0.5 * 1 + 9) / 1.5))
     assert rate.observe(0, 1.0) == rate and rate.observe(10, 0.0) == rate
+    assert LinkRate().predict(100) is None and LinkRate.of(0.0) == LinkRate()
+
+
+def test_payloads_of_two_sizes_tell_latency_from_rate():
+    """A fast link with a long round trip: a small payload's time is mostly latency, and the
+    fit does not take it for a slow link (which would keep a link compressed for ever)."""
+    link = LinkRate().observe(230_000, 0.5).observe(440_000, 0.52)  # int4, then int8
+    assert link.latency_s == pytest.approx(0.478, abs=0.01)
+    assert link.bytes_per_s == pytest.approx((440_000 - 230_000) / 0.02, rel=0.05)
+    assert link.predict(1_750_000) < 0.8  # float32 now fits a 0.8 s deadline
+    per_byte_only = LinkRate().observe(230_000, 0.5)
+    assert per_byte_only.predict(1_750_000) > 3.0  # what one size alone would say
+    many = link
+    for _ in range(20):
+        many = many.observe(440_000, 0.52)
+    assert len(many.samples) == 8 and many.latency_s == 0.0  # one size again: per byte
 
 
 def test_the_deadline_is_a_share_of_the_overlapped_compute():
     assert deadline_s(None, 1.0, 0.8) is None and deadline_s(0.0, 1.0, 0.8) is None
-    assert deadline_s(10.0, 0.25, 0.8) == pytest.approx(2.0)
+    assert deadline_s(10.0, 0.25, 0.8) == pytest.approx(1.0)  # half: the other direction
     job = {"rounds": {"inner_steps": 40}, "streaming": {"fragments": 2, "delay_steps": 5}}
     assert overlap_of(job) == pytest.approx(5 / 20)
     assert overlap_of({"rounds": {"inner_steps": 40}}) == 1.0
@@ -73,7 +89,7 @@ def test_nothing_measured_takes_the_first_rung_and_says_why():
     choice = choose_rung(adaptive(), SHAPES, LinkRate(), 1.0)
     assert (choice.rung, choice.codec, choice.fits) == (0, "none", True)
     assert "no transfer measured yet" in choice.reason
-    choice = choose_rung(adaptive(), SHAPES, LinkRate(1e6, 1), None)
+    choice = choose_rung(adaptive(), SHAPES, LinkRate.of(1e6), None)
     assert choice.rung == 0 and "no compute time measured yet" in choice.reason
 
 
@@ -83,7 +99,7 @@ def test_nothing_measured_takes_the_first_rung_and_says_why():
 )
 def test_the_least_lossy_rung_that_fits_is_taken(mb_per_s, rung, codec):
     cfg = adaptive()
-    choice = choose_rung(cfg, SHAPES, LinkRate(mb_per_s * 1e6, 3), 1.0)
+    choice = choose_rung(cfg, SHAPES, LinkRate.of(mb_per_s * 1e6), 1.0)
     assert (choice.rung, choice.codec, choice.fits) == (rung, codec, True)
     assert choice.predicted_s <= 1.0 and "within the 1.00 s deadline" in choice.reason
     if rung > 0:  # the rung before would not have fitted
@@ -91,7 +107,7 @@ def test_the_least_lossy_rung_that_fits_is_taken(mb_per_s, rung, codec):
 
 
 def test_a_ladder_that_cannot_meet_its_deadline_takes_its_last_rung_and_says_so():
-    choice = choose_rung(adaptive(), SHAPES, LinkRate(1000.0, 3), 0.5)
+    choice = choose_rung(adaptive(), SHAPES, LinkRate.of(1000.0), 0.5)
     assert (choice.rung, choice.codec, choice.fits) == (4, "topk(0.01)", False)
     assert choice.predicted_s > 0.5
     assert choice.reason.startswith("no rung fits: even the last, topk(0.01)")
@@ -99,7 +115,7 @@ def test_a_ladder_that_cannot_meet_its_deadline_takes_its_last_rung_and_says_so(
 
 
 def test_the_choice_is_a_pure_function():
-    args = (adaptive(), SHAPES, LinkRate(0.1e6, 2), 1.0)
+    args = (adaptive(), SHAPES, LinkRate.of(0.1e6), 1.0)
     assert choose_rung(*args) == choose_rung(*args)
     assert codec_label(adaptive().ladder[4]) == "topk(0.01)"
 
@@ -217,8 +233,10 @@ def test_the_downlink_chooses_from_the_slowest_site_and_the_median_task():
         {},
     ]
     choice = down.choose(SHAPES, reports)
-    assert choice.deadline_s == pytest.approx(0.8 * 0.5 * 4.0)  # the median task: 4 s
-    assert choice == choose_rung(adaptive(), SHAPES, LinkRate(0.1e6, 1), 1.6)
+    assert choice.deadline_s == pytest.approx(0.8 * 0.5 * 4.0 / 2)  # the median task: 4 s
+    assert choice == choose_rung(adaptive(), SHAPES, [LinkRate.of(0.1e6)], 0.8)
+    with_latency = down.choose(SHAPES, [{**reports[0], "fetch_latency_s": 0.7}, reports[1]])
+    assert with_latency.predicted_s > choice.predicted_s  # the slow-to-start link decides
     assert Downlink(CompressionConfig()).choose(SHAPES, reports) is None
 
 

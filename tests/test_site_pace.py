@@ -27,6 +27,16 @@ def test_the_agent_times_its_tasks_steps_and_utilisation():
     assert clock.utilisation(20.0) == pytest.approx(6.0 / 10.0)
 
 
+def test_a_task_counts_the_compute_its_trainers_report_not_when_it_was_taken():
+    """A streaming task is taken at its merge, after most of its steps: the seconds its
+    trainers report in step bodies are the task's compute, for the pace and the deadline."""
+    clock = ComputeClock()
+    clock.task_taken(10.0, steps=80)
+    clock.task_handed_over(11.0, compute_s=4.0)  # taken at step 60: held 1 s, computed 4 s
+    assert clock.last_task_s == 4.0 and clock.last_steps_per_s == 20.0
+    assert clock.utilisation(15.0) == pytest.approx(4.0 / 5.0)
+
+
 def test_status_and_metrics_show_each_sites_pace_and_counts(tmp_path):
     clock = Clock()
     core = new_core(tmp_path, clock, rounds={"max_sites": 2})

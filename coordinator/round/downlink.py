@@ -43,9 +43,9 @@ class Downlink:
     """Encodes each new theta as a delta; holds the last delta for ``Fetch(from_version)``.
 
     With ``mode = "adaptive"`` each delta's rung is chosen at the close (``choose``) from
-    what the round's sites reported: the slowest one's fetch throughput, their trainers' task
-    time (the median) times ``overlap``. The close record keeps the rung, so a replay after a
-    crash encodes the same delta."""
+    what the round's sites reported: their fetches' latency and rate (a delta takes as long as
+    on the slowest), their trainers' task time (the median) times ``overlap``. The close
+    record keeps the rung, so a replay after a crash encodes the same delta."""
 
     def __init__(self, config: CompressionConfig, overlap: float = 1.0) -> None:
         self.config, self.overlap = config, overlap
@@ -65,13 +65,14 @@ class Downlink:
         ``task_compute_s``; 0 or absent: not measured)."""
         if not self.adaptive:
             return None
-        rates = [r.get("fetch_bytes_per_s", 0.0) for r in reports]
-        rates = [x for x in rates if x > 0]
+        links = [
+            LinkRate.of(r.get("fetch_bytes_per_s", 0.0), r.get("fetch_latency_s", 0.0))
+            for r in reports
+        ]
         computes = [x for x in (r.get("task_compute_s", 0.0) for r in reports) if x > 0]
-        rate = LinkRate(min(rates), len(rates)) if rates else LinkRate()
         compute = statistics.median(computes) if computes else None
         deadline = deadline_s(compute, self.overlap, self.config.deadline_fraction)
-        return choose_rung(self.config, shapes, rate, deadline)
+        return choose_rung(self.config, shapes, links, deadline)
 
     def choose_for(
         self,

@@ -200,6 +200,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             "merge_wait_s": p.merge_wait_s if math.isfinite(p.merge_wait_s) else 0.0,
             # What an adaptive downlink chooses from (``coordinator.round.downlink``).
             "fetch_bytes_per_s": _measured(p.fetch_bytes_per_s),
+            "fetch_latency_s": _measured(p.fetch_latency_s),
             "task_compute_s": _measured(p.task_compute_s),
             "steps_per_s": _measured(p.steps_per_s),
             "compute_utilisation": min(_measured(p.compute_utilisation), 1.0),

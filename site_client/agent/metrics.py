@@ -27,27 +27,35 @@ class ComputeClock:
     started: float | None = None
     training_since: float | None = None
     trained_s: float = 0.0
-    last_task_s: float | None = None  # the last task's, from taking it to handing it over
+    # The last task's compute: the seconds its trainers report in step bodies (from taking
+    # it to handing it over where they report none; a streaming task is taken at its merge,
+    # after most of its steps, so that would say too little).
+    last_task_s: float | None = None
     task_steps: int = 0  # the inner steps of the task being trained
-    last_steps_per_s: float = 0.0  # the last task's inner steps over its seconds
+    last_steps_per_s: float = 0.0  # the last task's inner steps over its compute
+    computed_s: float = 0.0  # the reported compute of every task so far
 
     def task_taken(self, now: float, steps: int = 0) -> None:
         self.started = now if self.started is None else self.started
         if self.training_since is None:
             self.training_since, self.task_steps = now, steps
 
-    def task_handed_over(self, now: float) -> None:
+    def task_handed_over(self, now: float, compute_s: float = 0.0) -> None:
         if self.training_since is not None:
-            self.last_task_s = now - self.training_since
-            self.trained_s += self.last_task_s
+            held = now - self.training_since
+            self.trained_s += held
             self.training_since = None
+            self.last_task_s = compute_s if compute_s > 0 else held
+            self.computed_s += compute_s
             if self.last_task_s > 0 and self.task_steps:
                 self.last_steps_per_s = self.task_steps / self.last_task_s
 
     def utilisation(self, now: float) -> float:
-        """Time in tasks over the wall time since the first (0 before any)."""
+        """The trainers' compute (reported, else time in tasks) over the wall time since the
+        first task (0 before any)."""
         trained, wall = self.seconds(now)
-        return trained / wall if wall > 0 else 0.0
+        busy = self.computed_s if self.computed_s > 0 else trained
+        return min(busy / wall, 1.0) if wall > 0 else 0.0
 
     def seconds(self, now: float) -> tuple[float, float]:
         """(training, wall) seconds so far."""

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -247,7 +248,7 @@ class TrainerChannel:
                 upload.payload, upload.part = placed
                 upload.upload_id = str(req["upload_id"])
             now = time.monotonic()
-            s.compute.task_handed_over(now)
+            s.compute.task_handed_over(now, _seconds(req.get("compute_s")))
             s.progress.task_compute_s = s.compute.last_task_s or 0.0
             s.progress.steps_per_s = s.compute.last_steps_per_s
             s.progress.compute_utilisation = s.compute.utilisation(now)
@@ -287,3 +288,12 @@ class TrainerChannel:
 
 def _task(req: dict) -> Task:
     return Task(int(req["round"]), str(req.get("data_unit", "")))
+
+
+def _seconds(value) -> float:
+    """A duration a trainer reported: a finite number >= 0, else 0 (none reported)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return seconds if math.isfinite(seconds) and seconds > 0 else 0.0

@@ -134,6 +134,7 @@ class WanWorker:
         self.down_rate = self.down_rate.observe(got_bytes, seconds)
         with s.cond:
             s.progress.fetch_bytes_per_s = self.down_rate.bytes_per_s or 0.0
+            s.progress.fetch_latency_s = self.down_rate.latency_s
             s.transfers.add("fetch", seconds)
             previous = s.ready
             s.held = got

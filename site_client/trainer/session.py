@@ -264,7 +264,7 @@ class SiteSession:
                     f"round {spec.round}: the loop over rnd.steps() stopped after "
                     f"{rnd.completed_steps} of {spec.inner_steps} steps"
                 )
-            self._submit(pieces, theta, spec, rnd.weight, durable=False)
+            self._submit(pieces, theta, spec, rnd, durable=False)
             # The task's end without the model: what follows it loads theta_{r+1}, and were
             # the update lost before it counted, the task is done again (see ``_redo``).
             end = spec.inner_steps
@@ -446,7 +446,7 @@ class SiteSession:
             raise TrainerError(f"{problem}{where}")
 
     def _submit(
-        self, pieces, theta, spec: RoundSpec, weight: float, durable: bool, names=None
+        self, pieces, theta, spec: RoundSpec, rnd: Round, durable: bool, names=None
     ) -> None:
         """Every rank writes its own shard of the update (of ``names`` only, when given: a
         fragment); rank 0 hands the files over."""
@@ -458,7 +458,9 @@ class SiteSession:
         dist.barrier()
         ranks = self.nodes.ranks_here()
         paths = [str(self.shm_dir / f"{stem}-rank{k}.safetensors") for k in ranks]
-        task = {"round": spec.round, "data_unit": spec.data_unit, "weight": weight}
+        # The task's seconds in step bodies: an adaptive uplink's deadline is a share of them.
+        task = {"round": spec.round, "data_unit": spec.data_unit, "weight": rnd.weight}
+        task["compute_s"] = round(rnd.compute_s, 6)
         if self.nodes.multi:
             agent = self.ipc or self.node_ipc
             self.nodes.submit_parts(agent, paths, task, spec.version, durable, self._task)

@@ -112,7 +112,7 @@ class StreamingRounds:
             )
         done = start >= spec.inner_steps  # resumed at the task's end: already checkpointed
         names = frozenset(self.plan.names(spec.round))
-        s._submit(self.pieces, self.theta, spec, rnd.weight, durable=done, names=names)
+        s._submit(self.pieces, self.theta, spec, rnd, durable=done, names=names)
         if not done:
             s._checkpoint(model, optimizer, rnd, spec.inner_steps, task_end=True)
         return spec.round + 1 < spec.total_rounds

@@ -7,13 +7,14 @@ With ``[compression] mode = "adaptive"`` the job names a ladder of codecs, least
     ladder = ["none", "bf16", "int8", "int4", { codec = "topk", fraction = 0.01 }]
     deadline_fraction = 0.8
 
-and each transfer takes the first rung whose predicted time fits its deadline: the fraction
-``deadline_fraction`` of the compute time the transfer overlaps (the ``delay_steps`` tau of
-a streaming round, the whole round's steps when blocking). The prediction is the payload's
-size under that rung (``Codec.max_encoded_bytes`` per tensor, the job's ``rules`` still
-applying to the tensors they match) over the link's achieved throughput, smoothed over the
-transfers before (``LinkRate``). A ladder none of whose rungs fits takes its last rung and
-says so. Everything here is pure: the callers measure, remember and log.
+and each transfer takes the first rung whose predicted time fits its deadline. The push up
+and the fetch down must both fit in the compute they overlap (the ``delay_steps`` tau of a
+streaming round, the whole round's steps when blocking), so each direction's deadline is half
+of ``deadline_fraction`` of that time (``deadline_s``). The prediction is the payload's size
+under that rung (``Codec.max_encoded_bytes`` per tensor, the job's ``rules`` still applying to
+the tensors they match) through the link's fitted latency and rate (``wire.codecs.link_rate``);
+for the downlink, the slowest of the sites' links. A ladder none of whose rungs fits takes its
+last rung and says so. Everything here is pure: the callers measure, remember and log.
 
 Error feedback across a change of rung is ``CodecState``'s: a tensor sent by a codec without
 error feedback carries the residual an earlier rung left (``CodecState.encode``,
@@ -29,32 +30,8 @@ from typing import Any
 import torch
 
 from wire.codecs.base import MAX_META_BYTES, Codec
+from wire.codecs.link_rate import LinkRate
 from wire.codecs.rules import CompressionConfig, choose_codec
-
-
-@dataclass(frozen=True)
-class LinkRate:
-    """A link direction's achieved throughput, smoothed over the transfers seen.
-
-    ``bytes_per_s`` is None until a transfer was measured. The average is taken of seconds
-    per byte, each new transfer weighing ``smoothing`` against the history's
-    ``1 - smoothing``: the newest transfers say most (a link's rate changes by the hour), and
-    one slow transfer after many fast ones halves the estimate at once, where an average of
-    rates would hardly move (a transfer that misses its deadline costs more than one that
-    compressed more than it had to)."""
-
-    bytes_per_s: float | None = None
-    samples: int = 0
-
-    def observe(self, nbytes: int, seconds: float, smoothing: float = 0.5) -> LinkRate:
-        """The rate after one more transfer of ``nbytes`` in ``seconds`` (an empty or
-        instantaneous transfer says nothing of the link and changes nothing)."""
-        if nbytes <= 0 or seconds <= 0:
-            return self
-        per_byte = seconds / nbytes
-        if self.bytes_per_s is not None:
-            per_byte = smoothing * per_byte + (1.0 - smoothing) / self.bytes_per_s
-        return LinkRate(1.0 / per_byte, self.samples + 1)
 
 
 @dataclass(frozen=True)
@@ -64,7 +41,7 @@ class CodecChoice:
     rung: int
     codec: str  # the rung's codec, as a label (``int8``, ``topk(0.01)``)
     nbytes: int  # the payload's predicted size under it
-    predicted_s: float | None  # nbytes over the measured rate (None: nothing measured)
+    predicted_s: float | None  # nbytes through the fitted link (None: nothing measured)
     deadline_s: float | None  # the time the transfer has (None: no compute measured yet)
     fits: bool
     reason: str
@@ -120,17 +97,18 @@ def overlap_of(job: Mapping[str, Any]) -> float:
 
 
 def deadline_s(compute_s: float | None, overlap: float, fraction: float) -> float | None:
-    """The time a transfer has: ``fraction`` of the compute it overlaps, which is ``overlap``
-    (tau / (H/P) under streaming, 1 when blocking) of a task's measured ``compute_s``."""
+    """The time one direction's transfer has: half (the other direction needs the rest) of
+    ``fraction`` of the compute it overlaps, which is ``overlap`` (tau / (H/P) under
+    streaming, 1 when blocking) of a task's measured ``compute_s``."""
     if compute_s is None or compute_s <= 0:
         return None
-    return fraction * overlap * compute_s
+    return fraction * overlap * compute_s / 2
 
 
 def choose_rung(
     config: CompressionConfig,
     shapes: Shapes,
-    rate: LinkRate,
+    rate: LinkRate | Sequence[LinkRate],
     deadline: float | None,
 ) -> CodecChoice:
     """The least lossy rung of ``config.ladder`` whose predicted transfer fits ``deadline``.
@@ -142,7 +120,8 @@ def choose_rung(
     shapes
         The tensors (or pieces) the transfer carries, as (name, shape).
     rate
-        The direction's measured throughput.
+        The direction's fitted link, or several (the downlink's sites): a transfer takes
+        as long as on the slowest of them (the unmeasured ones left out).
     deadline
         Seconds the transfer has (``deadline_s``); None while no compute was measured.
 
@@ -156,26 +135,34 @@ def choose_rung(
         raise ValueError("choose_rung needs a compression config with a ladder")
     sizes = [payload_bytes(at_rung(config, i), shapes) for i in range(len(config.ladder))]
     labels = [codec_label(c) for c in config.ladder]
-    if rate.bytes_per_s is None or deadline is None:
-        missing = "no transfer" if rate.bytes_per_s is None else "no compute time"
+    links = [rate] if isinstance(rate, LinkRate) else list(rate)
+    links = [x for x in links if x.seconds_per_byte is not None]
+    if not links or deadline is None:
+        missing = "no transfer" if not links else "no compute time"
         return CodecChoice(
             0, labels[0], sizes[0], None, deadline, True,
             f"{missing} measured yet: the ladder's first rung, {labels[0]}",
         )  # fmt: skip
-    speed = rate.bytes_per_s
+    slowest = max(links, key=lambda x: x.predict(sizes[0]))
     for i, nbytes in enumerate(sizes):
-        predicted = nbytes / speed
+        predicted = max(x.predict(nbytes) for x in links)
         if predicted <= deadline:
-            why = (
-                f"{labels[i]}: {nbytes / 1e6:.2f} MB in {predicted:.2f} s at "
-                f"{speed / 1e6:.2f} MB/s, within the {deadline:.2f} s deadline"
-            )
+            fits = _transfer(nbytes, predicted, slowest)
+            why = f"{labels[i]}: {fits}, within the {deadline:.2f} s deadline"
             return CodecChoice(i, labels[i], nbytes, predicted, deadline, True, why)
     last = len(sizes) - 1
-    predicted = sizes[last] / speed
+    predicted = max(x.predict(sizes[last]) for x in links)
     why = (
-        f"no rung fits: even the last, {labels[last]}, needs {predicted:.2f} s for "
-        f"{sizes[last] / 1e6:.2f} MB at {speed / 1e6:.2f} MB/s, against a {deadline:.2f} s "
-        "deadline; using it"
+        f"no rung fits: even the last, {labels[last]}, needs "
+        f"{_transfer(sizes[last], predicted, slowest)}, against a {deadline:.2f} s deadline; "
+        "using it"
     )
     return CodecChoice(last, labels[last], sizes[last], predicted, deadline, False, why)
+
+
+def _transfer(nbytes: int, seconds: float, link: LinkRate) -> str:
+    """``0.44 MB in 0.26 s (0.20 s latency + 6.25 MB/s)``."""
+    return (
+        f"{nbytes / 1e6:.2f} MB in {seconds:.2f} s ({link.latency_s:.2f} s latency + "
+        f"{link.bytes_per_s / 1e6:.2f} MB/s)"
+    )

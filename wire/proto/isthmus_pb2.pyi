@@ -135,7 +135,7 @@ class JoinReply(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., job_name: _Optional[str] = ..., job_config: _Optional[bytes] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("round", "inner_step", "train_loss", "phase", "merge_wait_s", "fetch_bytes_per_s", "task_compute_s", "steps_per_s", "compute_utilisation")
+    __slots__ = ("round", "inner_step", "train_loss", "phase", "merge_wait_s", "fetch_bytes_per_s", "task_compute_s", "steps_per_s", "compute_utilisation", "fetch_latency_s")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class Progress(_message.Message):
     TASK_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    FETCH_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     round: int
     inner_step: int
     train_loss: float
@@ -154,7 +155,8 @@ class Progress(_message.Message):
     task_compute_s: float
     steps_per_s: float
     compute_utilisation: float
-    def __init__(self, round: _Optional[int] = ..., inner_step: _Optional[int] = ..., train_loss: _Optional[float] = ..., phase: _Optional[str] = ..., merge_wait_s: _Optional[float] = ..., fetch_bytes_per_s: _Optional[float] = ..., task_compute_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., compute_utilisation: _Optional[float] = ...) -> None: ...
+    fetch_latency_s: float
+    def __init__(self, round: _Optional[int] = ..., inner_step: _Optional[int] = ..., train_loss: _Optional[float] = ..., phase: _Optional[str] = ..., merge_wait_s: _Optional[float] = ..., fetch_bytes_per_s: _Optional[float] = ..., task_compute_s: _Optional[float] = ..., steps_per_s: _Optional[float] = ..., compute_utilisation: _Optional[float] = ..., fetch_latency_s: _Optional[float] = ...) -> None: ...
 
 class Command(_message.Message):
     __slots__ = ("new_round", "cancel_unit", "drain")
