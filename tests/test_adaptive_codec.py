@@ -39,8 +39,12 @@ def adaptive(**extra) -> CompressionConfig:
 def test_a_link_is_measured_from_its_first_transfer_the_newest_weighing_most():
     rate = LinkRate().observe(1_000_000, 1.0)
     assert rate.bytes_per_s == pytest.approx(1e6) and rate.latency_s == 0.0
-    slower = rate.observe(1_000_000, 9.0)  # one size: all of the time per byte, weighted 1:2
-    assert slower.bytes_per_s == pytest.approx(1e6 / ((0.5 * 1 + 9) / 1.5))
+    slower = rate.observe(1_000_000, 1.8)  # one size: all of the time per byte, weighted 1:2
+    assert slower.bytes_per_s == pytest.approx(1e6 / ((0.5 * 1 + 1.8) / 1.5))
+    changed = slower.observe(1_000_000, 9.0)  # 5x what it predicted: another link now
+    assert changed.samples == ((1_000_000, 9.0),) and changed.bytes_per_s == pytest.approx(1e6 / 9)
+    back = changed.observe(1_000_000, 1.0)  # and 9x faster: the fast link again, at once
+    assert back.samples == ((1_000_000, 1.0),)
     assert rate.observe(0, 1.0) == rate and rate.observe(10, 0.0) == rate
     assert LinkRate().predict(100) is None and LinkRate.of(0.0) == LinkRate()
 
@@ -233,8 +237,8 @@ def test_the_downlink_chooses_from_the_slowest_site_and_the_median_task():
         {},
     ]
     choice = down.choose(SHAPES, reports)
-    assert choice.deadline_s == pytest.approx(0.8 * 0.5 * 4.0 / 2)  # the median task: 4 s
-    assert choice == choose_rung(adaptive(), SHAPES, [LinkRate.of(0.1e6)], 0.8)
+    assert choice.deadline_s == pytest.approx(0.6 * 0.5 * 4.0 / 2)  # the median task: 4 s
+    assert choice == choose_rung(adaptive(), SHAPES, [LinkRate.of(0.1e6)], 0.6)
     with_latency = down.choose(SHAPES, [{**reports[0], "fetch_latency_s": 0.7}, reports[1]])
     assert with_latency.predicted_s > choice.predicted_s  # the slow-to-start link decides
     assert Downlink(CompressionConfig()).choose(SHAPES, reports) is None

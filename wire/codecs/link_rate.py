@@ -5,8 +5,10 @@ A transfer of ``x`` bytes takes ``latency_s + x * seconds_per_byte``: the latenc
 every transfer pays whatever its size (round trips to open a stream and hear the reply, a
 congestion window that starts small again after an idle link), the time per byte is the
 link's rate. Both are fitted by least squares to the last ``HISTORY`` transfers, the newest
-weighing most (each one half of the one after it): a link's rate changes by the hour, and one
-slow transfer after many fast ones counts for half of the estimate at once.
+weighing most (each one half of the one after it): a link's rate changes by the hour. A
+transfer more than ``CHANGED`` times slower or faster than the model predicted means the link
+changed: the history is dropped and the model starts again from that transfer, rather than
+mixing two links' transfers in one fit.
 
 Transfers of one size cannot tell latency from rate: then the whole time is taken per byte
 (which overstates a larger payload's time, never understates a smaller one's). Once payloads
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 HISTORY = 8  # transfers the fit looks at
+CHANGED = 2.0  # a transfer this many times slower or faster than predicted: the link changed
 SPREAD = 0.2  # sizes whose weighted spread is below this share of their mean are "one size"
 
 
@@ -49,6 +52,9 @@ class LinkRate:
         instantaneous transfer says nothing of the link and changes nothing)."""
         if nbytes <= 0 or seconds <= 0:
             return self
+        predicted = self.predict(nbytes)
+        if predicted is not None and not 1 / CHANGED < seconds / predicted < CHANGED:
+            return LinkRate((), 0.0, None).observe(nbytes, seconds)  # another link now
         samples = (*self.samples, (int(nbytes), float(seconds)))[-HISTORY:]
         latency, per_byte = fit(samples)
         return LinkRate(samples, latency, per_byte)

@@ -97,10 +97,12 @@ class CompressionConfig:
         "0.01 }]``); the chosen rung stands for ``default``",
     )
     deadline_fraction: float = setting(
-        0.8,
+        0.6,
         help='with ``mode = "adaptive"``: the share of the compute time a transfer overlaps '
         "(``delay_steps`` of a streaming round, the round's steps when blocking) it may take, "
-        "in (0, 1]",
+        "in (0, 1]; each direction gets half. 0.6 leaves room for the close and the "
+        "merge (``bench.adaptive``: at 0.8 both directions' rungs filled tau and the "
+        "trainers waited)",
     )
 
     @classmethod
@@ -187,7 +189,7 @@ def _adaptive_from(data: Mapping[str, Any], path: str) -> tuple[tuple[Codec, ...
     codecs = tuple(
         _codec_from(_as_codec_table(c), f"{path}.ladder[{i}]", ()) for i, c in enumerate(ladder)
     )
-    fraction = data.get("deadline_fraction", 0.8)
+    fraction = data.get("deadline_fraction", CompressionConfig.deadline_fraction)
     if isinstance(fraction, bool) or not isinstance(fraction, int | float):
         raise CodecConfigError(f"{path}.deadline_fraction: expected a number, got {fraction!r}")
     if not 0 < fraction <= 1 or not math.isfinite(fraction):
