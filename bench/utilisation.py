@@ -195,11 +195,11 @@ def run(folder: Path, setting: Setting, plan: Plan) -> Result:
         val_loss=sum(losses) / len(losses),
         seconds=time.monotonic() - started,
     )
-    _drop_bulk(folder)
+    drop_bulk(folder)
     return result
 
 
-def _drop_bulk(folder: Path) -> None:
+def drop_bulk(folder: Path) -> None:
     """Checkpoints and spools (megabytes a run); the logs and timings stay."""
     for path in [folder / "state" / "checkpoints", *folder.glob("site-*/checkpoints")]:
         shutil.rmtree(path, ignore_errors=True)
