@@ -1,7 +1,8 @@
 """A drained site's agent (no coordinator, no trainers: its state and its answers to the
 trainers): the task it owes is still handed out and taken, then the trainers are told to leave;
 in shared-data mode units in training are handed back while handed-over updates stay queued;
-the final theta still goes out; undrained, nothing changes; probes go into heartbeats."""
+the final theta still goes out once fetched, and is not fetched for it while it leaves; undrained,
+nothing changes; probes go into heartbeats."""
 
 from __future__ import annotations
 
@@ -108,3 +109,17 @@ def test_the_newest_probe_goes_into_heartbeats_with_a_growing_seq(tmp_path):
     channel.health({**report, "round": 10, "matmul_gflops": 40.0})
     assert state.health.seq == 2 and state.health.round == 10
     assert state.health.matmul_gflops == 40.0 and state.health.world_size == 2
+
+
+def test_a_drained_site_does_not_fetch_the_final_theta_while_it_leaves(tmp_path):
+    """The job may finish while a drained site pushes what it owes: the final theta is not
+    fetched for it (its trainers are gone or leaving); an undrained site fetches it."""
+    from site_client.agent.wan import WanWorker
+
+    state, channel = _channel(tmp_path)
+    wan = WanWorker(state, client=None, cfg=channel.cfg, compression=None, codec_state=None)
+    info = pb.RoundInfo(round=3, version=3, finished=True)
+    state.heard(info, [])
+    assert wan.work() == "fetch"
+    _drain(state, info)
+    assert wan.work() is None

@@ -89,7 +89,10 @@ class WanWorker:
         if upload is not None and _may_push(upload, s.info):
             return "push"
         task = task_of(s.info)
-        wanted = s.info.finished or (task is not None and not s.book.done(task))
+        # A drained site leaves once it has pushed what it owes: the job's final theta is
+        # not its to take (the job may finish while it is leaving).
+        final = s.info.finished and not s.drained
+        wanted = final or (task is not None and not s.book.done(task))
         if wanted and not _holds(s.ready, s.info):
             return "fetch"
         return None
