@@ -111,3 +111,18 @@ def test_a_real_round_closes_after_the_grace_and_the_slow_site_is_late(tmp_path)
     with pytest.raises(Refused) as late:
         push(core, "site-c", tokens["site-c"], 0, delta_like(core, 9.0))
     assert late.value.code == "late"
+
+
+def test_rounds_every_participant_delivered_to_set_the_adaptive_grace(tmp_path):
+    clock = Clock()
+    rounds = {"min_sites": 2, "grace_s": 5.0, "grace_spread_factor": 2.0}
+    core = new_core(tmp_path, clock, rounds=rounds)
+    tokens = {s: core.join(s)[0].token for s in ("site-a", "site-b")}
+    clock.now += 1.0
+    core.tick()
+    assert core.driver.grace() == 5.0  # nothing seen yet: the ceiling
+    push(core, "site-a", tokens["site-a"], 0, delta_like(core, 1.0))
+    clock.now += 1.5
+    push(core, "site-b", tokens["site-b"], 0, delta_like(core, 1.0))
+    assert core.tick() and core.round.number == 1
+    assert core.driver.spreads == [1.5] and core.driver.grace() == 3.0

@@ -170,7 +170,8 @@ class RoundDriver:
         if not decision.act:
             return None
         spread = arrival_spread(view)
-        if spread is not None and decision.reason.startswith("all "):  # every one delivered
+        everyone = not (view.participants & alive) - view.received.keys()
+        if spread is not None and everyone:  # a grace cut it short: its spread says too little
             self.spreads = [*self.spreads[-GRACE_HISTORY:], spread]
         released, s.pinned = s.pinned is not None, None
         return self._order(self.fold_order(), decision.reason, "released" if released else "")
