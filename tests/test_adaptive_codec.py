@@ -264,9 +264,9 @@ def test_every_rung_of_the_downlink_keeps_theta_bit_identical_on_the_sites():
 def test_a_reported_figure_that_is_not_a_measurement_is_taken_as_none(value):
     """A site's heartbeat figures feed the downlink's choice: NaN, infinity and negatives
     count as not measured, so they can neither break the choice nor pass as a link."""
-    from coordinator.service.servicer import _measured
+    from wire.codecs.link_rate import measured
 
-    assert _measured(value) == 0.0 and _measured(2.5) == 2.5
+    assert measured(value) == 0.0 and measured(2.5) == 2.5
     down = Downlink(adaptive())
-    choice = down.choose(SHAPES, [{"fetch_bytes_per_s": _measured(value), "task_compute_s": 1.0}])
+    choice = down.choose(SHAPES, [{"fetch_bytes_per_s": measured(value), "task_compute_s": 1.0}])
     assert choice.rung == 0 and "no transfer measured yet" in choice.reason

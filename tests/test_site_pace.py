@@ -9,8 +9,8 @@ from core_helpers import Clock, delta_like, new_core, push
 
 from coordinator.observe.metrics import SnapshotCollector
 from coordinator.observe.status import format_status, status_reply
-from coordinator.service.servicer import _measured
 from site_client.agent.metrics import ComputeClock
+from wire.codecs.link_rate import measured
 
 SITES = ("site-a", "site-b")
 
@@ -75,4 +75,4 @@ def test_status_and_metrics_show_each_sites_pace_and_counts(tmp_path):
 
 @pytest.mark.parametrize("value", [float("nan"), float("-inf"), -1.0])
 def test_a_reported_pace_that_is_no_measurement_reads_as_none(value):
-    assert _measured(value) == 0.0
+    assert measured(value) == 0.0

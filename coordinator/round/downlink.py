@@ -57,7 +57,7 @@ class Downlink:
 
     @property
     def adaptive(self) -> bool:
-        return self.config.mode == "adaptive"
+        return self.config.adaptive
 
     def choose(self, shapes: Shapes, reports: Sequence[Mapping]) -> CodecChoice | None:
         """The rung of the next delta (None: not adaptive). ``shapes``: the tensors it

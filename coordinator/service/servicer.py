@@ -24,6 +24,7 @@ from coordinator.service.auth import AuthError, Authorizer
 from coordinator.service.send_slots import SlotsBusy
 from wire.bulk import chunk_frame, parse_chunk
 from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError, iter_chunks
+from wire.codecs.link_rate import measured
 from wire.health import Probe
 from wire.net.leader import LEADER_KEY
 from wire.proto import isthmus_pb2 as pb
@@ -199,11 +200,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             "phase": p.phase[:32],  # shown in every Status reply: keep it small
             "merge_wait_s": p.merge_wait_s if math.isfinite(p.merge_wait_s) else 0.0,
             # What an adaptive downlink chooses from (``coordinator.round.downlink``).
-            "fetch_bytes_per_s": _measured(p.fetch_bytes_per_s),
-            "fetch_latency_s": _measured(p.fetch_latency_s),
-            "task_compute_s": _measured(p.task_compute_s),
-            "steps_per_s": _measured(p.steps_per_s),
-            "compute_utilisation": min(_measured(p.compute_utilisation), 1.0),
+            "fetch_bytes_per_s": measured(p.fetch_bytes_per_s),
+            "fetch_latency_s": measured(p.fetch_latency_s),
+            "task_compute_s": measured(p.task_compute_s),
+            "steps_per_s": measured(p.steps_per_s),
+            "compute_utilisation": min(measured(p.compute_utilisation), 1.0),
         }
         probe = probe_of(request.health) if request.HasField("health") else None
         site = request.lease.site
@@ -423,8 +424,3 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             request.site, not request.undrain, request.reason
         )
         return pb.DrainReply(changed=changed, message=message, drained=drained)
-
-
-def _measured(value: float) -> float:
-    """A figure a site measured: finite and positive, else 0 (not measured)."""
-    return value if math.isfinite(value) and value > 0 else 0.0

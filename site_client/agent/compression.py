@@ -56,7 +56,7 @@ class UplinkCodecs:
 
     @property
     def adaptive(self) -> bool:
-        return self.compression is not None and self.compression.mode == "adaptive"
+        return self.compression is not None and self.compression.adaptive
 
     def observe(self, nbytes: int, seconds: float) -> None:
         """A push moved ``nbytes`` in ``seconds`` of transfer (the checkpoint's hold left out)."""

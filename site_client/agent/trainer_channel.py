@@ -47,7 +47,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +55,7 @@ from site_client.agent.node_encoding import PartEncoder, lease_json, site_part
 from site_client.agent.state import AgentConfig, AgentState
 from site_client.agent.tasks import Task, task_of
 from site_client.local_ipc import Handler
+from wire.codecs.link_rate import measured
 from wire.health import Probe
 from wire.proto import isthmus_pb2 as pb
 
@@ -248,7 +248,7 @@ class TrainerChannel:
                 upload.payload, upload.part = placed
                 upload.upload_id = str(req["upload_id"])
             now = time.monotonic()
-            s.compute.task_handed_over(now, _seconds(req.get("compute_s")))
+            s.compute.task_handed_over(now, measured(req.get("compute_s")))
             s.progress.task_compute_s = s.compute.last_task_s or 0.0
             s.progress.steps_per_s = s.compute.last_steps_per_s
             s.progress.compute_utilisation = s.compute.utilisation(now)
@@ -288,12 +288,3 @@ class TrainerChannel:
 
 def _task(req: dict) -> Task:
     return Task(int(req["round"]), str(req.get("data_unit", "")))
-
-
-def _seconds(value) -> float:
-    """A duration a trainer reported: a finite number >= 0, else 0 (none reported)."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        return 0.0
-    return seconds if math.isfinite(seconds) and seconds > 0 else 0.0

@@ -20,6 +20,7 @@ says nothing of the rate.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 HISTORY = 8  # transfers the fit looks at
@@ -82,3 +83,14 @@ def fit(samples: tuple[tuple[int, float], ...]) -> tuple[float, float]:
         if per_byte > 0 and latency >= 0:  # else noise: fall back to one size's rule
             return min(latency, min(t for _, t in samples)), per_byte
     return 0.0, mean_t / mean_x
+
+
+def measured(value) -> float:
+    """A figure another party reported as measured (a rate, a duration): a finite number
+    above 0, else 0, which reads as "not measured" (NaN, infinity, negatives and values that
+    are no number at all are never taken for a link or a task)."""
+    try:
+        figure = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return figure if math.isfinite(figure) and figure > 0 else 0.0

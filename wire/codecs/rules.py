@@ -105,6 +105,11 @@ class CompressionConfig:
         "trainers waited)",
     )
 
+    @property
+    def adaptive(self) -> bool:
+        """Whether each transfer takes a rung of ``ladder`` (``wire.codecs.adaptive``)."""
+        return self.mode == "adaptive"
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str = "compression") -> CompressionConfig:
         """Parse the ``[compression]`` table of a job config.
