@@ -76,6 +76,35 @@ def test_the_deadline_is_a_share_of_the_overlapped_compute():
 # ---- the choice ---------------------------------------------------------------------------
 
 
+def test_a_slowdown_seen_in_one_direction_slows_the_other_until_it_measures_itself():
+    fast = LinkRate().observe(1_000_000, 0.2).observe(500_000, 0.12)  # 1 MB in 0.2 s
+    assert fast.surprise(1_000_000, 0.25) is None  # within the model
+    assert fast.surprise(1_000_000, 2.0) == pytest.approx(10.0)  # a 10x slower link
+    assert fast.surprise(1_000_000, 0.05) == pytest.approx(0.25)  # faster: a change too
+    assert LinkRate().surprise(1_000_000, 5.0) is None  # nothing to be surprised against
+    slow = fast.slowed(10.0)
+    assert slow.bytes_per_s == pytest.approx(fast.bytes_per_s / 10)
+    assert slow.latency_s == fast.latency_s and slow.samples == ()
+    # Its own next transfer alone refits it (no mixing with the fast link's history).
+    assert slow.observe(150_000, 0.4).samples == ((150_000, 0.4),)
+    for factor in (1.0, 0.25, float("nan"), float("inf")):  # only a slowdown crosses over
+        assert fast.slowed(factor) == fast
+    assert LinkRate().slowed(10.0) == LinkRate()
+
+
+def test_a_site_pushes_at_a_lower_rung_after_its_fetch_found_the_link_slowed(caplog):
+    codecs = UplinkCodecs(adaptive(), overlap=1.0, site="site-x")
+    caplog.set_level(logging.INFO, logger="isthmus.site")
+    codecs.observe(1_000_000, 0.1)  # 10 MB/s: float32 fits
+    assert codecs.choose(SHAPES, compute_s=1.0)[1].rung == 0
+    codecs.link_slowed(50.0)  # the fetch took 50x its time
+    after = codecs.choose(SHAPES, compute_s=1.0)[1]
+    assert after.rung > 0 and after.fits, after.reason
+    assert any("taken as slowed" in r.message for r in caplog.records)
+    # A push that found the link slowed returns its surprise for the fetch model.
+    assert codecs.observe(1000, 10.0) is not None and codecs.observe(1000, 10.0) is None
+
+
 def test_sizes_are_what_each_rung_sends_and_rules_still_apply():
     cfg = adaptive(rules=[{"match": "*.norm", "codec": "none"}])
     sizes = [payload_bytes(at_rung(cfg, i), SHAPES) for i in range(len(LADDER))]

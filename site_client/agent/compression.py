@@ -58,9 +58,25 @@ class UplinkCodecs:
     def adaptive(self) -> bool:
         return self.compression is not None and self.compression.adaptive
 
-    def observe(self, nbytes: int, seconds: float) -> None:
-        """A push moved ``nbytes`` in ``seconds`` of transfer (the checkpoint's hold left out)."""
+    def observe(self, nbytes: int, seconds: float) -> float | None:
+        """A push moved ``nbytes`` in ``seconds`` of transfer (the checkpoint's hold left out);
+        returns how many times slower than predicted it was when that means another link
+        (``LinkRate.surprise``), for the fetch model to follow."""
+        surprise = self.rate.surprise(nbytes, seconds)
         self.rate = self.rate.observe(nbytes, seconds)
+        return surprise
+
+    def link_slowed(self, factor: float) -> None:
+        """A fetch took ``factor`` times longer than its model said: the link slowed, and the
+        next push is chosen as if the uplink slowed alike (``LinkRate.slowed``)."""
+        if self.adaptive and factor > 1:
+            log.info(
+                "[%s] a fetch took %.1fx its predicted time: the uplink is taken as slowed alike "
+                "until a push measures it",
+                self.site,
+                factor,
+            )
+        self.rate = self.rate.slowed(factor)
 
     def choose(
         self, shapes: Shapes, compute_s: float | None

@@ -134,7 +134,10 @@ class WanWorker:
         seconds = time.monotonic() - started
         got_bytes = self.client.bytes_received - received
         # Told to the coordinator with each heartbeat: its adaptive downlink reads it.
+        surprise = self.down_rate.surprise(got_bytes, seconds)
         self.down_rate = self.down_rate.observe(got_bytes, seconds)
+        if surprise is not None:
+            self.codecs.link_slowed(surprise)
         with s.cond:
             s.progress.fetch_bytes_per_s = self.down_rate.bytes_per_s or 0.0
             s.progress.fetch_latency_s = self.down_rate.latency_s
@@ -228,8 +231,11 @@ class WanWorker:
             s.cond.notify_all()
         sent, seconds = self.client.bytes_sent - sent_before, time.monotonic() - started
         held_s = getattr(self.client, "last_push_held_s", 0.0)
-        self.codecs.observe(sent, wire_s - held_s)  # the link's rate: encoding left out
+        surprise = self.codecs.observe(sent, wire_s - held_s)  # the link: encoding left out
+        if surprise is not None:  # the fetch model follows a slowed push (LinkRate.slowed)
+            self.down_rate = self.down_rate.slowed(surprise)
         with s.cond:
+            s.progress.fetch_bytes_per_s = self.down_rate.bytes_per_s or 0.0
             s.transfers.add("push", seconds, held_s)
         record(
             self.cfg.run_dir / TIMINGS,

@@ -16,6 +16,13 @@ of different sizes were seen (a change of codec makes them) the two are told apa
 is what lets a compressed link trust the less compressed rungs again when it is fast: a
 small payload on a fast link with a long round trip takes about its latency, and that time
 says nothing of the rate.
+
+A link that slows is usually seen first in the other direction (a site fetches its delta on
+the slowed link before it pushes its next update): ``surprise`` tells how far a transfer missed
+its model, and ``slowed`` makes the other direction's model that much slower until a transfer
+of its own measures it again. Only a slowdown crosses over: a rung too lossy for one transfer
+costs a little loss, a rung too large for a slowed link costs a stalled round (a speed-up is
+found by the direction's own transfers, as it is now).
 """
 
 from __future__ import annotations
@@ -53,12 +60,29 @@ class LinkRate:
         instantaneous transfer says nothing of the link and changes nothing)."""
         if nbytes <= 0 or seconds <= 0:
             return self
-        predicted = self.predict(nbytes)
-        if predicted is not None and not 1 / CHANGED < seconds / predicted < CHANGED:
+        if self.surprise(nbytes, seconds) is not None:
             return LinkRate((), 0.0, None).observe(nbytes, seconds)  # another link now
         samples = (*self.samples, (int(nbytes), float(seconds)))[-HISTORY:]
         latency, per_byte = fit(samples)
         return LinkRate(samples, latency, per_byte)
+
+    def surprise(self, nbytes: int, seconds: float) -> float | None:
+        """How many times slower than predicted a transfer of ``nbytes`` in ``seconds`` was
+        (below 1: faster), if that is a change of link (``CHANGED`` or more either way); None
+        when it fits the model or nothing was measured yet."""
+        predicted = self.predict(nbytes) if nbytes > 0 and seconds > 0 else None
+        if not predicted:
+            return None
+        ratio = seconds / predicted
+        return ratio if not 1 / CHANGED < ratio < CHANGED else None
+
+    def slowed(self, factor: float) -> LinkRate:
+        """This direction's model after the other direction was ``factor`` times slower than
+        its own model: the rate divided by ``factor``, and the history dropped so that this
+        direction's next transfer alone refits it. A factor of 1 or less changes nothing."""
+        if self.seconds_per_byte is None or not factor > 1 or not math.isfinite(factor):
+            return self
+        return LinkRate((), self.latency_s, self.seconds_per_byte * factor)
 
     def predict(self, nbytes: int) -> float | None:
         """Seconds a transfer of ``nbytes`` should take (None: nothing measured)."""
