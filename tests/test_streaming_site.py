@@ -121,3 +121,68 @@ def test_no_periodic_checkpoint_before_a_pending_merge(pending, want):
     rnd.merge_pending = pending
     assert list(rnd.steps()) == [0, 1, 2, 3]
     assert written == want  # step 4 is the task's end, written by the hand-over
+
+
+class _Agent:
+    """A session whose agent has theta_{r+1} from the ``ready_at``-th ask on (counting from
+    1); asks that wait (``_wait_round``) are told apart from those that do not."""
+
+    def __init__(self, ready_at: int, round_number: int = 5) -> None:
+        self.ready_at, self.asks, self.merged = ready_at, [], []
+        self.spec = RoundSpec(round_number, 9, 4, 8, False, "theta")
+
+    def _poll_round(self):
+        self.asks.append("poll")
+        return self.spec if len(self.asks) >= self.ready_at else None
+
+    def _wait_round(self):
+        self.asks.append("wait")
+        return self.spec
+
+
+def merged_at(merge: str, ready_at: int, steps: int = 6, tau: int = 2):
+    agent = _Agent(ready_at)
+    cfg = StreamingConfig(fragments=2, delay_steps=tau, merge=merge)
+    rounds = StreamingRounds(agent, cfg)
+    rounds.plan = SimpleNamespace(names=lambda r: ["w"])
+    rounds._use = lambda spec: None
+    rounds._merge = lambda names, spec, step: agent.merged.append(step)
+    hooks = RoundHooks(
+        cancel_requested=lambda rnd, step: False,
+        after_step=lambda rnd, step: None,
+        checkpoint=lambda rnd, step: None,
+        settle=lambda: None,
+        checkpoint_every=0,
+        report=lambda **metrics: None,
+        before_step=rounds._before_step,
+    )
+    rnd = Round(RoundSpec(5, -1, steps, 8, False), 0, hooks)
+    rnd.merge_pending = True
+    assert list(rnd.steps()) == list(range(steps))  # no step is skipped or cancelled
+    assert rnd.merge_pending is False
+    return agent.merged, agent.asks
+
+
+@pytest.mark.parametrize(
+    ("ready_at", "step", "asks"),
+    [
+        (1, 2, ["poll"]),  # there at tau: merged there, as blocking would
+        (3, 4, ["poll"] * 3),  # there two steps later: trained on, merged at step 4
+        (99, 5, ["poll"] * 3 + ["wait"]),  # still not there: only the last step waits
+    ],
+)
+def test_when_ready_trains_on_from_tau_and_merges_at_the_first_step_it_is_there(
+    ready_at, step, asks
+):
+    assert merged_at("when_ready", ready_at) == ([step], asks)
+
+
+def test_blocking_waits_at_tau_whatever_the_agent_has():
+    assert merged_at("blocking", ready_at=99) == ([2], ["wait"])
+
+
+def test_an_unknown_merge_mode_is_refused_naming_the_key():
+    from wire.config_table import ConfigError, load_table
+
+    with pytest.raises(ConfigError, match="streaming.merge"):
+        load_table(StreamingConfig, {"fragments": 2, "merge": "eventually"}, "streaming")

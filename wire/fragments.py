@@ -13,6 +13,7 @@ merges the round's result ``delay_steps`` (tau) inner steps later, as
     pattern = "strided"      # block b -> fragment b % P; "sequential": contiguous groups
     delay_steps = 2          # tau < rounds.inner_steps / P
     merge_alpha = 0.0        # 0: take the global fragment as it is
+    merge = "blocking"       # "when_ready": merge at the first step from tau on it is there
     [[streaming.rules]]      # optional, first match wins: a tensor name -> a fragment
     match = "embed*"
     fragment = 0
@@ -37,6 +38,7 @@ from typing import Any
 from wire.config_table import ConfigError, as_table, load_table, one_of, positive, rule, setting
 
 PATTERNS = ("strided", "sequential")
+MERGES = ("blocking", "when_ready")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,15 @@ class StreamingConfig:
         check=rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1) (1 would never merge)"),
         help="the merge keeps this much of the local model: ``theta_frag <- alpha * "
         "theta_local + (1 - alpha) * theta_global``",
+    )
+    merge: str = setting(
+        "blocking",
+        check=one_of(MERGES),
+        help="``blocking``: a site waits at step tau for the round's result and merges it there "
+        "(the same steps in every run); ``when_ready``: it trains on and merges the result at "
+        "the first step from tau on at which it has arrived, waiting only before the task's "
+        "last step, so a late round costs no idle time (the step of the merge then depends on "
+        "timing: a run is not repeatable bit for bit)",
     )
     rules: list = setting(
         factory=list,

@@ -376,12 +376,23 @@ class SiteSession:
     def _wait_round(self) -> RoundSpec:
         # Rank 0 waits for the agent with a short timeout and tells the others each time, so
         # no collective waits longer than that however long the round takes elsewhere.
-        while True:
-            reply = self.ipc.call("wait_round") if self.ipc else {}
-            flag = torch.tensor([1 if reply.get("ready") else 0], dtype=torch.int64)
-            dist.broadcast(flag, src=self.nodes.driver)
-            if flag.item():
-                break
+        while (spec := self._poll_round(None)) is None:
+            pass
+        return spec
+
+    def _poll_round(self, timeout_s: float | None = 0.0) -> RoundSpec | None:
+        """The agent's next task if it has one within ``timeout_s`` (None: the agent's own
+        poll interval), agreed on by every rank; None when it has none yet."""
+        if self.ipc is None:
+            reply = {}
+        elif timeout_s is None:
+            reply = self.ipc.call("wait_round")
+        else:
+            reply = self.ipc.call("wait_round", timeout=timeout_s)
+        flag = torch.tensor([1 if reply.get("ready") else 0], dtype=torch.int64)
+        dist.broadcast(flag, src=self.nodes.driver)
+        if not flag.item():
+            return None
         unit = unit_index(reply.get("data_unit", "")) if self.is_driver else None
         fields = torch.tensor(
             [

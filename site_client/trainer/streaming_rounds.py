@@ -7,7 +7,11 @@ number, length and this site's place in it are known). Before step tau of round 
 for theta_{r+1}, usually there by then, and merge fragment ``r % P`` of it into the model:
 ``local <- alpha * local + (1 - alpha) * global``. The other fragments train on unmerged. Time
 blocked at a merge is measured: ``merge_wait_s`` in the task's ``steps`` timing record, and
-reported to the agent when it is more than a millisecond.
+reported to the agent when it is more than a millisecond. With ``merge = "when_ready"`` they do
+not wait at tau: each step from tau on asks the agent (without waiting) whether theta_{r+1} is
+there, and the merge happens before the first step at which it is; only the task's last step
+waits for it (the next hand-over needs the merged model's task). The ``merge`` timing record
+says at which step it happened.
 
 What a task starts from is a pure function of (round, step, config) and the site's newest
 checkpoint:
@@ -139,13 +143,18 @@ class StreamingRounds:
         return False
 
     def _before_step(self, rnd: Round, step: int) -> bool:
-        """At step tau of a continuing task: wait for its theta and merge the last fragment."""
-        if not rnd.merge_pending or step != self.cfg.delay_steps:
+        """From step tau of a continuing task: merge the last fragment's result, waiting for
+        it at tau (``merge = "blocking"``) or, with ``"when_ready"``, at the first step it is
+        there, waiting only before the task's last step."""
+        if not rnd.merge_pending or step < self.cfg.delay_steps:
             return True
         s = self.s
+        wait = self.cfg.merge == "blocking" or step >= rnd.inner_steps - 1
         started = time.monotonic()
-        nxt = s._wait_round()
-        waited = time.monotonic() - started
+        nxt = s._wait_round() if wait else s._poll_round()
+        if nxt is None:  # not here yet: train this step on the fragment as it is
+            return True
+        waited = time.monotonic() - started if wait else 0.0
         rnd.merge_wait_s += waited
         if nxt.finished or (nxt.round, nxt.data_unit) != (rnd.number, rnd.data_unit):
             self._superseded = nxt
