@@ -18,12 +18,16 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 class Refused(Exception):
     """A request refused without any change of state. ``code`` picks the gRPC status;
-    ``committed_by`` names the winning site when a data unit's other copy came first."""
+    ``committed_by`` names the winning site when a data unit's other copy came first;
+    ``fold_round`` the round a late update folds into (code ``"later"``: send it then)."""
 
-    def __init__(self, code: str, message: str, committed_by: str = "") -> None:
+    def __init__(
+        self, code: str, message: str, committed_by: str = "", fold_round: int | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.committed_by = committed_by
+        self.fold_round = fold_round
 
 
 class FatalError(RuntimeError):
@@ -43,7 +47,8 @@ class UpdateKey:
     """Which update of a round an upload is.
 
     Federated mode: a site's own update (``UpdateKey("site-0")``), or its late update for round
-    ``late_from``, folded into the round after it. Shared-data mode: a site's copy of a data
+    ``late_from``, folded into the next round of its fragment (the round after it without
+    ``[streaming]``). Shared-data mode: a site's copy of a data
     unit (``UpdateKey("site-0", unit="u3")``); one site may commit two units in a round.
     """
 
@@ -119,6 +124,24 @@ class ClosedRound:
     @property
     def sites(self) -> frozenset[str]:
         return frozenset(k.site for k in self.keys)
+
+
+def closed_round_json(closed: ClosedRound) -> dict:
+    """What a checkpoint keeps of a closed round (``closed_round_of`` reads it back)."""
+    return {
+        "number": closed.number,
+        "reason": closed.reason,
+        "keys": [k.to_json() for k in closed.keys],
+        "participants": sorted(closed.participants),
+    }
+
+
+def closed_round_of(d: dict) -> ClosedRound:
+    """A closed round as ``closed_round_json`` (or a checkpoint's ``closed_round``) wrote it;
+    an older checkpoint's without ``participants`` takes the sites that counted."""
+    keys = tuple(UpdateKey.from_json(k) for k in d.get("keys", []))
+    participants = frozenset(d.get("participants", d.get("sites", [])))
+    return ClosedRound(int(d["number"]), participants, keys, d.get("reason", ""))
 
 
 @dataclass(frozen=True)

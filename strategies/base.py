@@ -135,8 +135,9 @@ class Strategy(ABC):
 
     def staleness_weight(self, site: str, staleness: int) -> float:
         """Federated mode: what a late update is worth. An update for round r that arrives
-        after round r closed (``staleness`` = 1) is folded into round r+1 with its weight
-        multiplied by this number in [0, 1]; 0 drops it. Default: the config's
+        after round r closed (``staleness`` = 1) is folded into round r+1 (round r+P with P
+        streaming fragments: the next to sync its tensors) with its weight multiplied by this
+        number in [0, 1]; 0 drops it. Default: the config's
         ``late_discount`` if it has one (``staleness_weight = late_discount ** staleness``),
         else 0."""
         return float(getattr(self.config, "late_discount", 0.0)) ** staleness

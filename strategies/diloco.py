@@ -32,8 +32,8 @@ class DiLoCoConfig:
     )
     late_discount: float = setting(
         0.0,
-        help="federated mode: a late update is folded into the next round at this weight, in "
-        "[0, 1] (0: dropped)",
+        help="federated mode: a late update is folded into the next round of its fragment (the "
+        "next round without ``[streaming]``) at this weight, in [0, 1] (0: dropped)",
     )
 
     def __post_init__(self) -> None:

@@ -20,7 +20,8 @@ class FedAvgConfig:
     server_lr: float = setting(1.0, help="scales the averaged step (1.0: plain FedAvg)")
     late_discount: float = setting(
         0.0,
-        help="a late update is folded into the next round at this weight, in [0, 1] (0: dropped)",
+        help="a late update is folded into the next round of its fragment (the next round "
+        "without ``[streaming]``) at this weight, in [0, 1] (0: dropped)",
     )
 
     def __post_init__(self) -> None:

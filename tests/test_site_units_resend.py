@@ -179,3 +179,54 @@ def test_an_ask_heard_while_the_first_copy_was_pushed_is_dropped_once_it_counts(
     assert agent.wan.work() != "resend" and len(client.sent) == 1
     beat(agent, wanted(client.info(0, "")))  # asked after the count: it is lost after all
     assert agent.wan.work() == "resend"
+
+
+class _FoldRefusal(grpc.RpcError):
+    """What the coordinator's refusal of a late update that folds into a later round carries."""
+
+    def __init__(self, fold: str) -> None:
+        self.fold = fold
+
+    def trailing_metadata(self):
+        return (("isthmus-fold-round", self.fold),)
+
+
+def _later(fold: str) -> CoordinatorError:
+    error = CoordinatorError(grpc.StatusCode.FAILED_PRECONDITION, f"folds into round {fold}")
+    error.__cause__ = _FoldRefusal(fold)
+    return error
+
+
+def test_a_late_update_waits_for_its_fold_round_while_the_next_goes_on_time(site) -> None:
+    agent, client, tmp = site
+    wait(agent)
+    _, late = submit(agent, tmp, (0, ""))
+    before = residuals(agent)
+    client.push_error = _later("2")  # round 0 closed without it; round 1 syncs another fragment
+    beat(agent, client.info(1, ""))
+    agent.wan.push()
+    book = agent.state.book
+    assert late.exists() and book.pending[(0, "")].fold_round == 2
+    now = residuals(agent)
+    assert all(now[k].equal(before[k]) for k in now)  # given back: encoded again then
+    client.push_error = None
+    agent.wan.fetch()
+    assert wait(agent)["round"] == 1
+    submit(agent, tmp, (1, ""))
+    assert agent.wan.work() == "push"  # round 1's own update does not wait behind it
+    agent.wan.push()
+    assert [p["round"] for p in client.pushes] == [0, 1]
+    assert agent.wan.work() != "push"  # round 0's waits for round 2
+    beat(agent, client.info(2, ""))
+    assert book.next_upload(agent.state.info).task == (0, "")
+    agent.wan.push()
+    assert [p["round"] for p in client.pushes] == [0, 1, 0] and not late.exists()
+    assert book.pending == {}
+
+
+def test_a_fold_round_that_is_no_round_number_is_not_taken_for_one() -> None:
+    from site_client.transfer.push import fold_round
+
+    assert fold_round(_later("2")) == 2
+    for bad in ("", "-1", "2.5", "two"):
+        assert fold_round(_later(bad)) is None

@@ -75,12 +75,6 @@ def _start(tmp_path, streaming, strategy=None, **sections) -> str:
     return str(info.value)
 
 
-def test_late_discount_is_refused_with_fragments(tmp_path):
-    message = _start(tmp_path, {"fragments": 2}, {"name": "diloco", "late_discount": 0.5})
-    assert message.startswith("strategy.late_discount: ") and "another fragment" in message
-    assert not list((tmp_path / "state").glob("checkpoints/round-*"))  # before any state
-
-
 def test_a_strategy_taking_every_update_is_refused_with_fragments(tmp_path):
     message = _start(tmp_path, {"fragments": 2}, {"name": "strategy_helpers:TakesEveryUpdate"})
     assert message.startswith("streaming.fragments: strategy 'strategy_helpers:TakesEveryUpdate'")

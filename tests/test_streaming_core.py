@@ -11,6 +11,8 @@ try:  # tests/ as a package or as a plain folder on sys.path
 except ImportError:
     import core_helpers as ch
 
+from coordinator.events.log import read_events
+from coordinator.records import Refused
 from strategies.robust import norm_of
 from wire.digest import state_digest
 
@@ -160,3 +162,90 @@ def test_status_and_metrics_show_how_long_each_site_waited_at_merges(tmp_path):
         assert samples == {"site-a": 2.5, "site-b": 0.0}
     finally:
         core.close()
+
+
+# ---- late updates fold into the next round of their fragment ------------------------------
+
+
+def _late_job(tmp_path, clock, discount: float = 0.5):
+    core = ch.new_core(
+        tmp_path,
+        clock,
+        model=BLOCKS,
+        streaming={"fragments": 2},
+        strategy={"name": "fedavg", "late_discount": discount},
+        rounds={"inner_steps": 2, "total": 3, "min_sites": 1, "deadline_s": 30.0},
+    )
+    tokens = {s: core.join(s)[0].token for s in ("site-a", "site-b")}
+    ch.heartbeat_all(core, clock, tokens, 3.0)
+    return core, tokens
+
+
+def _alone(core, clock, tokens, delta) -> None:
+    """site-a's update for the open round; the round closes at its deadline without site-b,
+    and the next one opens."""
+    r = core.round.number
+    assert ch.push(core, "site-a", tokens["site-a"], r, delta)
+    ch.heartbeat_all(core, clock, tokens, 31.0)
+    assert core.round.number == r + 1
+    ch.heartbeat_all(core, clock, tokens, 2.0)
+
+
+def test_a_late_update_folds_into_the_next_round_of_its_fragment(tmp_path):
+    clock = ch.Clock()
+    core, tokens = _late_job(tmp_path, clock)
+    frag0, frag1 = core.tensors.names(0), core.tensors.names(1)
+    late = _delta(core, frag0, 9, 0)  # site-b's round-0 update, after round 0 closed
+    _alone(core, clock, tokens, _delta(core, frag0, 1, 0))
+    # Round 1 syncs the other fragment: the late update is told to wait for round 2.
+    with pytest.raises(Refused) as err:
+        ch.push(core, "site-b", tokens["site-b"], 0, late, base=0)
+    assert (err.value.code, err.value.fold_round) == ("later", 2)
+    assert "folds into round 2" in str(err.value)
+    _alone(core, clock, tokens, _delta(core, frag1, 2, 1))
+    before = {n: core.theta[n].clone() for n in frag0}
+    own = _delta(core, frag0, 3, 2)
+    assert ch.push(core, "site-a", tokens["site-a"], 2, own)
+    assert ch.push(core, "site-b", tokens["site-b"], 0, late, base=0)  # folded, at 0.5
+    with pytest.raises(Refused) as again:  # counted once
+        ch.push(core, "site-b", tokens["site-b"], 0, late, base=0, upload_id="again")
+    assert again.value.code == "duplicate"
+    ch.heartbeat_all(core, clock, tokens, 31.0)
+    assert core.round.number == 3
+    for n in frag0:  # FedAvg of site-a's (weight 1) and the late site-b's (weight 0.5)
+        torch.testing.assert_close(core.theta[n], before[n] - (own[n] + 0.5 * late[n]) / 1.5)
+    events = read_events(core.events.path)
+    folded = [e for e in events if e["kind"] == "update" and e["late_from"] is not None]
+    assert [(e["site"], e["late_from"], e["round"]) for e in folded] == [("site-b", 0, 2)]
+
+
+def test_a_late_update_past_its_fold_round_or_without_a_discount_is_dropped(tmp_path):
+    clock = ch.Clock()
+    core, tokens = _late_job(tmp_path / "past", clock)
+    frag0, frag1 = core.tensors.names(0), core.tensors.names(1)
+    for r, frag in enumerate((frag0, frag1, frag0)):
+        _alone(core, clock, tokens, _delta(core, frag, 1, r))
+    with pytest.raises(Refused) as err:  # round 2 synced fragment 0 without it
+        ch.push(core, "site-b", tokens["site-b"], 0, _delta(core, frag0, 9, 0), base=0)
+    assert err.value.code == "late" and err.value.fold_round is None
+    clock = ch.Clock()
+    core, tokens = _late_job(tmp_path / "none", clock, discount=0.0)
+    _alone(core, clock, tokens, _delta(core, frag0, 1, 0))
+    with pytest.raises(Refused) as err:
+        ch.push(core, "site-b", tokens["site-b"], 0, _delta(core, frag0, 9, 0), base=0)
+    assert err.value.code == "late"
+
+
+def test_a_restart_keeps_what_a_late_update_may_still_fold_from(tmp_path):
+    """The closed rounds a late update folds from are in the checkpoint: after a restart
+    between round 0's close and round 2, site-b's round-0 update still folds into round 2."""
+    clock = ch.Clock()
+    core, tokens = _late_job(tmp_path, clock)
+    frag0, frag1 = core.tensors.names(0), core.tensors.names(1)
+    _alone(core, clock, tokens, _delta(core, frag0, 1, 0))
+    _alone(core, clock, tokens, _delta(core, frag1, 2, 1))
+    core.close()
+    clock = ch.Clock(1000.0)
+    again, tokens = _late_job(tmp_path, clock)
+    assert again.round.number == 2
+    assert ch.push(again, "site-b", tokens["site-b"], 0, _delta(core, frag0, 9, 0), base=0)

@@ -3,16 +3,28 @@
 One of the two data modes behind the coordinator's small data-mode interface (the other is
 ``coordinator.data.shared``): it says which updates a round admits and in which order they are
 summed, and when the round may close. Whether an update counts is ``rounds.admit_update``. An
-update that arrives after its round closed is dropped, or folded into the round after it with
-its weight multiplied by the strategy's ``staleness_weight`` (only an update for the round just
-closed, from one of its participants that it closed without).
+update that arrives after its round closed is dropped, or folded into the next round of its
+fragment with its weight multiplied by the strategy's ``staleness_weight`` (its staleness is 1:
+that fragment moved one outer step without it). Without ``[streaming]`` that is the round after
+it; with P fragments, round r's update folds into round r + P, the next to sync the same
+tensors, and one that arrives while the rounds between are open is refused as ``"later"``,
+naming round r + P, which the site holds it for. Only an update from one of its round's
+participants that the round closed without folds; one later than its fold round is dropped.
+The closed rounds this needs (the last P) are part of every checkpoint (``meta``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
-from coordinator.records import Admission, ClosedRound, Refused, UpdateKey
+from coordinator.records import (
+    Admission,
+    ClosedRound,
+    Refused,
+    UpdateKey,
+    closed_round_json,
+    closed_round_of,
+)
 from coordinator.round.rules import (
     RoundOptions,
     RoundState,
@@ -29,9 +41,29 @@ class FederatedData:
     kind = "federated"
     admits_latecomers = True  # past the deadline below quorum, sites that joined late count
 
-    def __init__(self, strategy: Strategy, last_closed: ClosedRound | None = None) -> None:
-        self.strategy = strategy
-        self.last_closed = last_closed
+    def __init__(
+        self, strategy: Strategy, closed: Iterable[ClosedRound] = (), fragments: int = 1
+    ) -> None:
+        """``closed``: rounds closed before (the last ``fragments`` are kept); ``fragments``:
+        P, so that round r's late update folds into round r + P."""
+        self.strategy, self.fragments = strategy, fragments
+        self.closed: dict[int, ClosedRound] = {}
+        for c in closed:
+            self._keep(c)
+
+    @classmethod
+    def from_meta(
+        cls, meta: dict, strategy: Strategy, last: ClosedRound | None, fragments: int = 1
+    ) -> FederatedData:
+        """As a checkpoint left it: its ``closed_round`` (``last``) and the ones before it that
+        a late update may still fold from (``meta``)."""
+        earlier = [closed_round_of(c) for c in meta.get("federated_closed", [])]
+        return cls(strategy, [*earlier, *([last] if last else [])], fragments)
+
+    def _keep(self, closed: ClosedRound) -> None:
+        self.closed[closed.number] = closed
+        for number in [n for n in self.closed if n <= closed.number - self.fragments]:
+            del self.closed[number]
 
     # ---- the round ------------------------------------------------------------------------
 
@@ -66,7 +98,7 @@ class FederatedData:
         return False
 
     def round_closed(self, closed: ClosedRound, post) -> list[str]:
-        self.last_closed = closed
+        self._keep(closed)
         return []
 
     # ---- updates --------------------------------------------------------------------------
@@ -84,9 +116,23 @@ class FederatedData:
             admit_update(round, site, round_number)
             return Admission(UpdateKey(site), round_number, round.number)
         except UpdateRefused as exc:
-            factor = self.fold_weight(round, site, round_number) if exc.code == "late" else 0.0
+            factor = self.fold_weight(site, round_number) if exc.code == "late" else 0.0
             if factor <= 0:
                 raise Refused(exc.code, str(exc)) from exc
+            fold = round_number + self.fragments
+            if round.number < fold:
+                raise Refused(
+                    "later",
+                    f"round {round_number} closed without this update; it folds into round "
+                    f"{fold}, the next round of its fragment: send it once that round is open",
+                    fold_round=fold,
+                ) from exc
+            if round.number > fold:
+                raise Refused(
+                    "late",
+                    f"round {round_number}'s update folds into round {fold} only, and the "
+                    f"current round is {round.number}",
+                ) from exc
         key = UpdateKey(site, late_from=round_number)
         if key in counted:
             raise Refused(
@@ -110,16 +156,11 @@ class FederatedData:
             raise Refused("invalid", f"round {key.late_from} is open again")
         return again
 
-    def fold_weight(self, round: RoundState, site: str, round_number: int) -> float:
-        """The strategy's discount for a late update of ``round_number`` (0: drop it)."""
-        closed = self.last_closed
-        if (
-            closed is None
-            or round_number != closed.number
-            or round.number != round_number + 1
-            or site not in closed.participants
-            or site in closed.sites
-        ):
+    def fold_weight(self, site: str, round_number: int) -> float:
+        """The strategy's discount for ``site``'s late update of ``round_number`` (0: drop
+        it): a participant of that round, which closed without it, one of the last P."""
+        closed = self.closed.get(round_number)
+        if closed is None or site not in closed.participants or site in closed.sites:
             return 0.0
         return checked_staleness_weight(self.strategy, site, 1)
 
@@ -142,4 +183,11 @@ class FederatedData:
     # ---- persistence ----------------------------------------------------------------------
 
     def meta(self) -> dict:
-        return {}
+        """The closed rounds before the newest that a late update may still fold from (the
+        newest is the checkpoint's own ``closed_round``)."""
+        newest = max(self.closed, default=None)
+        return {
+            "federated_closed": [
+                closed_round_json(c) for n, c in sorted(self.closed.items()) if n != newest
+            ]
+        }

@@ -32,7 +32,7 @@ from coordinator.intake.spool_check import SpoolCheck, Wanted, check_round
 from coordinator.model_source import initial_theta, trainable_names
 from coordinator.persist.local_store import Checkpoint, StoreError
 from coordinator.persist.theta_file import ThetaSource
-from coordinator.records import ClosedRound, PinnedClose, UpdateKey
+from coordinator.records import PinnedClose, UpdateKey, closed_round_of
 from coordinator.round.driver import CloseOrder
 from coordinator.round.publish import publication
 from coordinator.round.rules import RoundState
@@ -73,11 +73,12 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
     if core.downlink is not None:
         core.downlink.load_state_dict(ckpt.downlink, ckpt.round)
     closed = ckpt.meta.get("closed_round", {})
-    last_closed = _closed_round(closed) if closed else None
+    last_closed = closed_round_of(closed) if closed else None
     if cfg.data.mode == "shared":
         data = SharedData.from_meta(ckpt.meta, cfg.speculation)
     else:
-        data = FederatedData(core.strategy, last_closed)
+        fragments = cfg.streaming.fragments if cfg.streaming is not None else 1
+        data = FederatedData.from_meta(ckpt.meta, core.strategy, last_closed, fragments)
     theta = file.theta
     theta_hash = ckpt.theta_hash
     source = ThetaSource.of_file(file)
@@ -92,12 +93,6 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
     for key, reason in sorted(closed.get("rejected", {}).items()):
         state.rejections.append(f"round {closed['number']}: {key}: {reason}")
     return state, data, trainable_names(theta.tensors)
-
-
-def _closed_round(closed: dict) -> ClosedRound:
-    keys = tuple(UpdateKey.from_json(k) for k in closed.get("keys", []))
-    participants = frozenset(closed.get("participants", closed.get("sites", [])))
-    return ClosedRound(int(closed["number"]), participants, keys, closed.get("reason", ""))
 
 
 def resume(core) -> None:

@@ -9,8 +9,7 @@ very list the coordinator used before, so nothing else changes.
 
 The plan is a pure function of theta's trainable names and shapes and the config, computed
 once at start (the sites compute the same one). ``check_start`` refuses, before any state is
-touched, what cannot work one fragment at a time: late updates folded into the next round
-(which syncs another fragment) and strategies that take every update whole.
+touched, what cannot work one fragment at a time: strategies that take every update whole.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strategies.base import Strategy, call_hook
+from strategies.base import Strategy
 from wire.codecs.rules import CompressionConfig
 from wire.config_table import ConfigError
 from wire.fragments import FragmentPlan, StreamingConfig, fragment_plan
@@ -115,8 +114,9 @@ def check_start(cfg: StreamingConfig | None, strategy: Strategy) -> None:
     Raises
     ------
     ConfigError
-        With ``fragments > 1``: a strategy that folds late updates into the next round
-        (``strategy.late_discount``), or one that takes every update whole (``needs_updates``).
+        With ``fragments > 1``: a strategy that takes every update whole (``needs_updates``).
+        (A late update folds into the next round of its own fragment, ``coordinator.data.
+        federated``, so ``late_discount`` works with any number of fragments.)
     """
     if cfg is None or cfg.fragments == 1:
         return
@@ -127,12 +127,6 @@ def check_start(cfg: StreamingConfig | None, strategy: Strategy) -> None:
             f"updates of the whole model itself (needs_updates), but with {p} fragments each "
             "round's updates carry one fragment only; use a strategy that steps on the mean "
             "(diloco, fedavg, fedavgm, fedadam, ...) or streaming.fragments = 1"
-        )
-    if float(call_hook(strategy, "staleness_weight", "", 1)) > 0:
-        raise ConfigError(
-            "strategy.late_discount: a late update would be folded into the next round, but "
-            f"with streaming.fragments = {p} the next round syncs another fragment; set "
-            "strategy.late_discount = 0 (late updates are dropped) or streaming.fragments = 1"
         )
 
 

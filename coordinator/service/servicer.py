@@ -34,6 +34,7 @@ from wire.transfer import Piece
 log = logging.getLogger("isthmus.coordinator")
 
 COMMITTED_BY = "isthmus-committed-by"
+FOLD_ROUND = "isthmus-fold-round"
 STATUS_CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     # Damaged in flight (the payload's digest does not match): the site sends it again.
@@ -41,6 +42,8 @@ STATUS_CODES = {
     "lease": grpc.StatusCode.ABORTED,
     "late": grpc.StatusCode.FAILED_PRECONDITION,
     "early": grpc.StatusCode.FAILED_PRECONDITION,
+    # A late update that folds into a later round (``FOLD_ROUND``): the site sends it then.
+    "later": grpc.StatusCode.FAILED_PRECONDITION,
     "not_participant": grpc.StatusCode.FAILED_PRECONDITION,
     "duplicate": grpc.StatusCode.ALREADY_EXISTS,
     "not_found": grpc.StatusCode.NOT_FOUND,
@@ -63,6 +66,8 @@ def _refusals_to_status(method):
         metadata = []
         if exc.committed_by:  # which site's copy of a data unit won: a field, not prose
             metadata.append((COMMITTED_BY, exc.committed_by))
+        if exc.fold_round is not None:
+            metadata.append((FOLD_ROUND, str(exc.fold_round)))
         if servicer.leader and exc.code != "standby":  # the leader's own: a client stays here
             metadata.append((LEADER_KEY, servicer.leader))
         if metadata:

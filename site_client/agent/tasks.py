@@ -96,6 +96,8 @@ class Upload:
     part: object | None = None
     upload_id: str | None = None
     early: bool = False  # refused as early: pushed again once its round is open here
+    # Late, and folded into this later round (the next of its fragment): pushed once it is open.
+    fold_round: int | None = None
     resent: bool = False  # counted before, taken back because the coordinator asked again
 
     def discard_files(self) -> None:
@@ -251,12 +253,11 @@ class TaskBook:
                 dropped.append(self.pending.pop(task))
         return dropped
 
-    def next_upload(self) -> Upload | None:
-        """The update to push next (the oldest), if any."""
-        return next(iter(self.pending.values()), None)
-
-    def start_upload(self) -> Upload | None:
-        upload = self.next_upload()
+    def start_upload(self, info: pb.RoundInfo | None = None) -> Upload | None:
+        upload = self.next_upload(info)
+        if upload is not None and next(iter(self.pending)) != upload.task:
+            # The one pushed is the first of the queue while it is pushed (``_drop``).
+            self.pending = {upload.task: upload, **self.pending}
         self.pushing = upload is not None
         return upload
 
@@ -281,6 +282,22 @@ class TaskBook:
         opened this one yet)."""
         self.pushing = False
         upload.early = True
+
+    def defer(self, upload: Upload, fold_round: int) -> None:
+        """``upload`` is late and folds into round ``fold_round``: it waits for that round at
+        the back of the queue, so that the updates after it go on time meanwhile."""
+        self.pushing = False
+        upload.fold_round = fold_round
+        self.pending.pop(upload.task, None)
+        self.pending[upload.task] = upload
+
+    def next_upload(self, info: pb.RoundInfo | None = None) -> Upload | None:
+        """The update to push next: the oldest, or with ``info`` the oldest not waiting for a
+        later round to fold into."""
+        for upload in self.pending.values():
+            if info is None or upload.fold_round is None or folds_now(upload, info):
+                return upload
+        return None
 
     def wanted_again(self, info: pb.RoundInfo | None) -> Task | None:
         """The delivered task ``info`` asks for again, if this site still holds its update and
@@ -307,3 +324,9 @@ class TaskBook:
         self.finished.discard(task)
         self.pending = {task: upload, **self.pending}
         return upload
+
+
+def folds_now(upload: Upload, info: pb.RoundInfo) -> bool:
+    """Whether a late update waiting for its fold round may go: that round is open (or past:
+    the coordinator then refuses it as late, and it is dropped), or the job is over."""
+    return bool(info.finished) or info.round >= (upload.fold_round or 0)

@@ -28,6 +28,7 @@ from site_client.agent.tasks import describe, task_of
 from site_client.agent.update_payload import build_payload, piece_shapes, residual_snapshot
 from site_client.errors import CoordinatorError, PartsStalled, PushAborted
 from site_client.timings import record
+from site_client.transfer.push import fold_round
 from site_client.transfer.theta import GlobalState
 from wire.backoff import DeadlineExceeded
 from wire.codecs import CodecState
@@ -85,7 +86,7 @@ class WanWorker:
             return None
         if s.book.wanted_again(s.info) is not None:
             return "resend"
-        upload = s.book.next_upload()
+        upload = s.book.next_upload(s.info)
         if upload is not None and _may_push(upload, s.info):
             return "push"
         task = task_of(s.info)
@@ -199,7 +200,7 @@ class WanWorker:
     def push(self) -> None:
         s = self.state
         with s.cond:
-            job = s.book.start_upload()
+            job = s.book.start_upload(s.info)
             if job is None:  # cancelled since the WAN thread chose to push it
                 return
             s.progress.phase = "pushing"
@@ -207,17 +208,21 @@ class WanWorker:
         sent_before = self.client.bytes_sent
         residuals = residual_snapshot(self.codec_state)
         outcome, counted, cpu_s, wire_s = self._send(job)
-        if outcome is None:  # the coordinator is at an earlier round: push it once there
+        if outcome is None:  # early, or late for a later round: push it once that is open
             self.codec_state.load_state_dict(residuals)  # encoded again then, the same
             with s.cond:
-                s.book.hold(job)
+                if job.fold_round is not None:
+                    s.book.defer(job, job.fold_round)
+                else:
+                    s.book.hold(job)
                 s.progress.phase = "idle"
                 s.cond.notify_all()
-            log.info(
-                "[%s] %s: waiting for the coordinator to reach it",
-                self.cfg.site,
-                describe(job.task),
+            waits_for = (
+                "the coordinator to reach it"
+                if job.fold_round is None
+                else f"round {job.fold_round}, the next of its fragment, which it folds into"
             )
+            log.info("[%s] %s: waiting for %s", self.cfg.site, describe(job.task), waits_for)
             return
         self._settle_residuals(job, counted, residuals, outcome)
         job.discard_files()  # a held payload keeps its mapping of them
@@ -296,6 +301,12 @@ class WanWorker:
             return "withdrawn: another copy of its unit was committed first", False
         except CoordinatorError as exc:
             if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                later = fold_round(exc)
+                if later is not None and not resend and job.fold_round != later:
+                    job.fold_round = later  # late: the coordinator folds it into that round
+                    if job.part is None:
+                        job.payload = None  # encoded again then
+                    return None, False
                 if not resend and self._behind(job.task.round):
                     if job.part is None:
                         job.payload = None  # encoded again once the coordinator is there

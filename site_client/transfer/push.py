@@ -56,13 +56,25 @@ from wire.proto import isthmus_pb2 as pb
 from wire.transfer import Piece, ReceivedRanges, plan_pieces
 
 COMMITTED_BY = "isthmus-committed-by"
+FOLD_ROUND = "isthmus-fold-round"
+
+
+def _trailing(exc: BaseException, key: str) -> str:
+    cause = exc.__cause__ if isinstance(exc, CoordinatorError) else exc
+    meta = cause.trailing_metadata() if isinstance(cause, grpc.RpcError) else None
+    return next((str(v) for k, v in meta or () if k == key), "")
 
 
 def committed_by(exc: BaseException) -> str:
     """The winning site named in a refusal's trailing metadata ("" if none)."""
-    cause = exc.__cause__ if isinstance(exc, CoordinatorError) else exc
-    meta = cause.trailing_metadata() if isinstance(cause, grpc.RpcError) else None
-    return next((str(v) for k, v in meta or () if k == COMMITTED_BY), "")
+    return _trailing(exc, COMMITTED_BY)
+
+
+def fold_round(exc: BaseException) -> int | None:
+    """The round a late update folds into, named by a refusal's trailing metadata (None if
+    none, or not a round number)."""
+    text = _trailing(exc, FOLD_ROUND)
+    return int(text) if text.isdigit() else None
 
 
 class UpdatePush:
