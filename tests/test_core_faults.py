@@ -247,3 +247,24 @@ def test_a_reservation_retried_between_commit_and_count_finds_the_upload_not_a_f
     assert core.snapshot().updates_received == 1
     with pytest.raises(Refused):  # counted: a later retry is told so, nothing is opened
         core.begin_upload(header)
+
+
+def test_nothing_counts_once_the_job_finished_not_even_a_late_update(tmp_path):
+    """The last round's late update would fold into a round that never closes: refused, so
+    its site is not told that it counted."""
+    clock = Clock()
+    core = new_core(
+        tmp_path,
+        clock,
+        strategy={"name": "fedavg", "late_discount": 0.5},
+        rounds={"min_sites": 1, "deadline_s": 30.0, "total": 1},
+    )
+    tokens = _open_round(core, clock, ("site-a", "site-b"))
+    push(core, "site-a", tokens["site-a"], 0, delta_like(core, 1.0))
+    heartbeat_all(core, clock, tokens, 31.0)  # the deadline closes the last round
+    assert core.finished
+    with pytest.raises(Refused) as err:
+        push(core, "site-b", tokens["site-b"], 0, delta_like(core, 8.0), base=0)
+    assert err.value.code == "late" and "the job finished" in str(err.value)
+    events = read_events(core.events.path)
+    assert not [e for e in events if e["kind"] == "update" and e["site"] == "site-b"]

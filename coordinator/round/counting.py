@@ -45,6 +45,7 @@ class UpdateCounter:
     def admit(self, header: PushHeader, now: float) -> Admission:
         """May this push start (its lease, its round and unit, the version it trained from)."""
         self.members.check(header.site, header.token, now)
+        self._unless_finished(header.round)
         try:
             a = self.data.admit(
                 self.state.round, header.site, header.round, header.data_unit, self.state.accepted
@@ -75,6 +76,7 @@ class UpdateCounter:
         # the site re-joins and completes it with one header instead of resending it.
         self.members.check(upload.site, token, now)
         try:
+            self._unless_finished(upload.round)
             admission = self.data.recheck(s.round, upload.admission, s.accepted)
             if self._colliding(admission):
                 raise Refused("busy", f"another copy of {admission.key.label} is being counted")
@@ -88,6 +90,16 @@ class UpdateCounter:
             raise self._stop_for(exc) from exc
         s.committing.add(admission.key)
         return admission, weight * admission.weight_factor
+
+    def _unless_finished(self, round_number: int) -> None:
+        """Once the job's last round closed nothing more counts: a late update would be
+        admitted into a round that never closes (and its site told it counted)."""
+        if self.state.finished:
+            raise Refused(
+                "late",
+                f"round {round_number}: the job finished after round "
+                f"{self.state.round.number - 1}; nothing more is counted",
+            )
 
     def _colliding(self, admission: Admission) -> bool:
         """Whether an update for the same key, or the same data unit, is being committed."""
