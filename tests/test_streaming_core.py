@@ -167,14 +167,14 @@ def test_status_and_metrics_show_how_long_each_site_waited_at_merges(tmp_path):
 # ---- late updates fold into the next round of their fragment ------------------------------
 
 
-def _late_job(tmp_path, clock, discount: float = 0.5):
+def _late_job(tmp_path, clock, discount: float = 0.5, **rounds):
     core = ch.new_core(
         tmp_path,
         clock,
         model=BLOCKS,
         streaming={"fragments": 2},
         strategy={"name": "fedavg", "late_discount": discount},
-        rounds={"inner_steps": 2, "total": 3, "min_sites": 1, "deadline_s": 30.0},
+        rounds={"inner_steps": 2, "total": 3, "min_sites": 1, "deadline_s": 30.0, **rounds},
     )
     tokens = {s: core.join(s)[0].token for s in ("site-a", "site-b")}
     ch.heartbeat_all(core, clock, tokens, 3.0)
@@ -249,3 +249,23 @@ def test_a_restart_keeps_what_a_late_update_may_still_fold_from(tmp_path):
     again, tokens = _late_job(tmp_path, clock)
     assert again.round.number == 2
     assert ch.push(again, "site-b", tokens["site-b"], 0, _delta(core, frag0, 9, 0), base=0)
+
+
+def test_with_max_staleness_a_later_update_folds_further_on_at_its_discount_per_version(tmp_path):
+    clock = ch.Clock()
+    core, tokens = _late_job(tmp_path, clock, max_staleness=2)
+    frags = core.tensors.names(0), core.tensors.names(1)
+    late = _delta(core, frags[0], 9, 0)
+    for r in range(3):  # rounds 0-2 close without site-b; round 2 synced fragment 0 too
+        _alone(core, clock, tokens, _delta(core, frags[r % 2], 1, r))
+    with pytest.raises(Refused) as err:  # round 3 is open: the next chance is round 4
+        ch.push(core, "site-b", tokens["site-b"], 0, late, base=0)
+    assert (err.value.code, err.value.fold_round) == ("later", 4)
+    _alone(core, clock, tokens, _delta(core, frags[1], 1, 3))
+    before = {n: core.theta[n].clone() for n in frags[0]}
+    own = _delta(core, frags[0], 3, 4)
+    assert ch.push(core, "site-a", tokens["site-a"], 4, own)
+    assert ch.push(core, "site-b", tokens["site-b"], 0, late, base=0)  # two versions behind
+    ch.heartbeat_all(core, clock, tokens, 31.0)
+    for n in frags[0]:  # FedAvg of site-a's (weight 1) and the late site-b's (0.5 ** 2)
+        torch.testing.assert_close(core.theta[n], before[n] - (own[n] + 0.25 * late[n]) / 1.25)

@@ -4,13 +4,14 @@ One of the two data modes behind the coordinator's small data-mode interface (th
 ``coordinator.data.shared``): it says which updates a round admits and in which order they are
 summed, and when the round may close. Whether an update counts is ``rounds.admit_update``. An
 update that arrives after its round closed is dropped, or folded into the next round of its
-fragment with its weight multiplied by the strategy's ``staleness_weight`` (its staleness is 1:
-that fragment moved one outer step without it). Without ``[streaming]`` that is the round after
-it; with P fragments, round r's update folds into round r + P, the next to sync the same
-tensors, and one that arrives while the rounds between are open is refused as ``"later"``,
-naming round r + P, which the site holds it for. Only an update from one of its round's
-participants that the round closed without folds; one later than its fold round is dropped.
-The closed rounds this needs (the last P) are part of every checkpoint (``meta``).
+fragment with its weight multiplied by the strategy's ``staleness_weight(k)``, k the outer steps its
+fragment took without it. Without ``[streaming]`` that is the round after it; with P fragments,
+round r's update folds into round r + P, the next to sync the same tensors, or with
+``rounds.max_staleness = K`` into the first of r + P, r + 2P, ... r + KP still open (k = 1, 2,
+... K): one that arrives while the rounds before that are open is refused as ``"later"``, naming
+the round it folds into, which the site holds it for. Only an update from one of its round's
+participants that the round closed without folds; one that missed r + KP is dropped. The
+closed rounds this needs (the last K x P) are part of every checkpoint (``meta``).
 """
 
 from __future__ import annotations
@@ -42,28 +43,48 @@ class FederatedData:
     admits_latecomers = True  # past the deadline below quorum, sites that joined late count
 
     def __init__(
-        self, strategy: Strategy, closed: Iterable[ClosedRound] = (), fragments: int = 1
+        self,
+        strategy: Strategy,
+        closed: Iterable[ClosedRound] = (),
+        fragments: int = 1,
+        max_staleness: int = 1,
     ) -> None:
-        """``closed``: rounds closed before (the last ``fragments`` are kept); ``fragments``:
-        P, so that round r's late update folds into round r + P."""
-        self.strategy, self.fragments = strategy, fragments
+        """``closed``: rounds closed before (the last ``fragments x max_staleness`` are kept);
+        ``fragments``: P, so that round r's late update folds into round r + kP."""
+        self.strategy, self.fragments, self.max_staleness = strategy, fragments, max_staleness
         self.closed: dict[int, ClosedRound] = {}
         for c in closed:
             self._keep(c)
 
     @classmethod
     def from_meta(
-        cls, meta: dict, strategy: Strategy, last: ClosedRound | None, fragments: int = 1
+        cls,
+        meta: dict,
+        strategy: Strategy,
+        last: ClosedRound | None,
+        fragments: int = 1,
+        max_staleness: int = 1,
     ) -> FederatedData:
         """As a checkpoint left it: its ``closed_round`` (``last``) and the ones before it that
         a late update may still fold from (``meta``)."""
         earlier = [closed_round_of(c) for c in meta.get("federated_closed", [])]
-        return cls(strategy, [*earlier, *([last] if last else [])], fragments)
+        return cls(strategy, [*earlier, *([last] if last else [])], fragments, max_staleness)
 
     def _keep(self, closed: ClosedRound) -> None:
         self.closed[closed.number] = closed
-        for number in [n for n in self.closed if n <= closed.number - self.fragments]:
+        window = self.fragments * self.max_staleness
+        for number in [n for n in self.closed if n <= closed.number - window]:
             del self.closed[number]
+
+    def fold_of(self, open_round: int, round_number: int) -> tuple[int, int] | None:
+        """(the round a late update of ``round_number`` folds into, its staleness k) while
+        round ``open_round`` is open: the first of r + P, ... r + KP not closed yet; None when
+        every one of them closed."""
+        for k in range(1, self.max_staleness + 1):
+            fold = round_number + k * self.fragments
+            if fold >= open_round:
+                return fold, k
+        return None
 
     # ---- the round ------------------------------------------------------------------------
 
@@ -116,22 +137,16 @@ class FederatedData:
             admit_update(round, site, round_number)
             return Admission(UpdateKey(site), round_number, round.number)
         except UpdateRefused as exc:
-            factor = self.fold_weight(site, round_number) if exc.code == "late" else 0.0
+            fold = self.fold_of(round.number, round_number) if exc.code == "late" else None
+            factor = self.fold_weight(site, round_number, fold[1]) if fold else 0.0
             if factor <= 0:
                 raise Refused(exc.code, str(exc)) from exc
-            fold = round_number + self.fragments
-            if round.number < fold:
+            if round.number < fold[0]:
                 raise Refused(
                     "later",
                     f"round {round_number} closed without this update; it folds into round "
-                    f"{fold}, the next round of its fragment: send it once that round is open",
-                    fold_round=fold,
-                ) from exc
-            if round.number > fold:
-                raise Refused(
-                    "late",
-                    f"round {round_number}'s update folds into round {fold} only, and the "
-                    f"current round is {round.number}",
+                    f"{fold[0]}, the next round of its fragment: send it once that round is open",
+                    fold_round=fold[0],
                 ) from exc
         key = UpdateKey(site, late_from=round_number)
         if key in counted:
@@ -156,13 +171,14 @@ class FederatedData:
             raise Refused("invalid", f"round {key.late_from} is open again")
         return again
 
-    def fold_weight(self, site: str, round_number: int) -> float:
-        """The strategy's discount for ``site``'s late update of ``round_number`` (0: drop
-        it): a participant of that round, which closed without it, one of the last P."""
+    def fold_weight(self, site: str, round_number: int, staleness: int = 1) -> float:
+        """The strategy's discount for ``site``'s late update of ``round_number`` folded
+        ``staleness`` versions of its fragment behind (0: drop it): only for a participant of
+        that round, which closed without it."""
         closed = self.closed.get(round_number)
         if closed is None or site not in closed.participants or site in closed.sites:
             return 0.0
-        return checked_staleness_weight(self.strategy, site, 1)
+        return checked_staleness_weight(self.strategy, site, staleness)
 
     def record(self, round: RoundState, key: UpdateKey, weight: float, now: float, post):
         """The open round with ``key`` counted (a late update is not one of its own)."""

@@ -78,7 +78,9 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
         data = SharedData.from_meta(ckpt.meta, cfg.speculation)
     else:
         fragments = cfg.streaming.fragments if cfg.streaming is not None else 1
-        data = FederatedData.from_meta(ckpt.meta, core.strategy, last_closed, fragments)
+        data = FederatedData.from_meta(
+            ckpt.meta, core.strategy, last_closed, fragments, cfg.rounds.max_staleness
+        )
     theta = file.theta
     theta_hash = ckpt.theta_hash
     source = ThetaSource.of_file(file)

@@ -78,6 +78,15 @@ class RoundsConfig:
         "``GRACE_HISTORY``), at most ``grace_s``; 0: ``grace_s`` itself",
     )
 
+    max_staleness: int = setting(
+        1,
+        check=positive,
+        help="federated mode, with the strategy's ``late_discount``: a late update folds into "
+        "the next round of its fragment still open, at most this many versions of that "
+        "fragment behind (its weight times ``late_discount ** k`` at k behind); 1: the next "
+        "round of its fragment only",
+    )
+
     def check(self) -> None:
         """A round can never have more than ``max_sites``, so it must allow ``min_sites``."""
         if self.max_sites < self.min_sites:
