@@ -186,3 +186,63 @@ def test_an_unknown_merge_mode_is_refused_naming_the_key():
 
     with pytest.raises(ConfigError, match="streaming.merge"):
         load_table(StreamingConfig, {"fragments": 2, "merge": "eventually"}, "streaming")
+
+
+class _Behind:
+    """A session for ``StreamingRounds.run``: tasks of 4 steps; the agent's answer to a poll
+    at each hand-over is ``polled`` (None: nothing newer yet)."""
+
+    def __init__(self, polled: RoundSpec | None) -> None:
+        self.polled, self.loaded, self.submitted = polled, [], []
+
+    def _resume_extra(self, model, optimizer):
+        return None
+
+    def _wait_round(self):
+        return RoundSpec(0, 0, 4, 8, False, "theta")
+
+    def _poll_round(self):
+        return self.polled
+
+    def _hooks(self, model, optimizer, before_step=None, settle=None, cancel_requested=None):
+        return RoundHooks(
+            cancel_requested=lambda rnd, step: False,
+            after_step=lambda rnd, step: None,
+            checkpoint=lambda rnd, step: None,
+            settle=lambda: None,
+            checkpoint_every=0,
+            report=lambda **metrics: None,
+            before_step=None,
+        )
+
+    def _load(self, pieces, theta, spec):
+        self.loaded.append(spec.round)
+
+    def _submit(self, pieces, theta, spec, rnd, durable, names=None):
+        self.submitted.append(spec.round)
+
+    def _checkpoint(self, *args, **kwargs):
+        return None
+
+
+def second_task(polled: RoundSpec | None) -> tuple[Round, _Behind]:
+    session = _Behind(polled)
+    rounds = StreamingRounds(session, StreamingConfig(fragments=2, delay_steps=1))
+    rounds.plan = SimpleNamespace(names=lambda r: ["w"])
+    rounds._use = lambda spec: None
+    tasks = rounds.run(torch.nn.Linear(1, 1), None)
+    first = next(tasks)
+    assert list(first.steps()) == [0, 1, 2, 3]
+    return next(tasks), session
+
+
+def test_a_site_on_time_trains_ahead_into_the_next_round():
+    nxt, session = second_task(polled=None)
+    assert (nxt.number, nxt.start_step, nxt.merge_pending) == (1, 0, True)
+    assert session.submitted == [0] and session.loaded == [0]
+
+
+def test_a_site_the_job_moved_past_starts_the_newest_task_at_once_from_its_theta():
+    nxt, session = second_task(polled=RoundSpec(3, 3, 4, 8, False, "theta-3"))
+    assert (nxt.number, nxt.start_step, nxt.merge_pending) == (3, 0, False)
+    assert session.submitted == [0] and session.loaded == [0, 3]  # theta_3 whole, nothing merged

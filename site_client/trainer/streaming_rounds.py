@@ -32,8 +32,10 @@ another model. A crash before the merge so costs at most tau steps, trained agai
 The last round's end waits for the final theta, as blocking DiLoCo does. If the task the agent
 hands out at a merge is not the one the trainers went on with (the job moved past it while this
 site was slow, or ended), the steps trained ahead are dropped and the trainers start that task
-from its theta. With ``fragments = 1, delay_steps = 0, merge_alpha = 0`` this is blocking
-DiLoCo bit for bit: the merge before step 0 of round r+1 copies theta_{r+1} exactly.
+from its theta; one whose agent already has a task of a later round when it hands a task over
+(asked without waiting) starts that one at once rather than train ahead. With ``fragments = 1,
+delay_steps = 0, merge_alpha = 0`` this is blocking DiLoCo bit for bit: the merge before step
+0 of round r+1 copies theta_{r+1} exactly.
 """
 
 from __future__ import annotations
@@ -94,8 +96,10 @@ class StreamingRounds:
                 nxt = self._superseded or s._wait_round()
                 self._superseded = None
             elif self._hand_over(model, optimizer, rnd, spec, start):
-                spec, start, pending = _ahead(spec), 0, True
-                continue
+                nxt = self._moved_past(spec.round + 1)
+                if nxt is None:
+                    spec, start, pending = _ahead(spec), 0, True
+                    continue
             else:
                 nxt = s._wait_round()
             if nxt.finished:
@@ -120,6 +124,14 @@ class StreamingRounds:
         if not done:
             s._checkpoint(model, optimizer, rnd, spec.inner_steps, task_end=True)
         return spec.round + 1 < spec.total_rounds
+
+    def _moved_past(self, ahead: int) -> RoundSpec | None:
+        """The agent's task, asked without waiting as a task is handed over, if the job has
+        moved past round ``ahead`` (the one the trainers would go on with): a site that fell
+        behind starts the newest task at once from its theta, rather than train tau steps
+        ahead only to drop them at the merge. None: go on ahead."""
+        nxt = self.s._poll_round()
+        return nxt if nxt is not None and (nxt.finished or nxt.round > ahead) else None
 
     def _start(self, extra: dict | None, spec: RoundSpec) -> tuple[int, bool]:
         """(first step, merge pending) of the first task after (re)starting."""
