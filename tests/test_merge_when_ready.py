@@ -67,3 +67,4 @@ def test_a_site_trains_on_past_tau_while_the_round_is_late(ran):
     assert merges["site-0"][2] == LAST, merges
     steps = {s["round"]: s for s in records(run_dir / "site-0" / "trainer_timings.jsonl", "steps")}
     assert steps[2]["merge_wait_s"] > 0, steps[2]
+    assert all(s["steps"] == LAST + 1 for s in steps.values()), steps  # none cut short

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,11 +45,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--corpus-bytes", type=int, default=4 << 20)
     p.add_argument("--checkpoint-every", type=int, default=0, help="inner steps; 0 = per round")
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="benchmarks: make each inner step this many times as long, as on a slower "
+        "accelerator (the step sleeps (F - 1) x its measured compute, inside the step)",
+    )
     args = p.parse_args(argv)
     if (args.site_index is None) != (args.num_sites is None):
         p.error("give both --site-index and --num-sites, or neither")
     if args.num_sites is not None and not 0 <= args.site_index < args.num_sites:
         p.error(f"--site-index must be in [0, {args.num_sites}), got {args.site_index}")
+    if not args.slowdown >= 1.0:
+        p.error(f"--slowdown must be >= 1, got {args.slowdown}")
     return args
 
 
@@ -144,6 +154,7 @@ def main(argv=None) -> None:
         val_loss(rnd)
         losses = []
         for step in rnd.steps():
+            started = time.perf_counter()
             inputs, targets = batch(s, rnd, step)
             loss = lm_loss(model(inputs), targets)
             loss.backward()
@@ -151,6 +162,8 @@ def main(argv=None) -> None:
             optimizer.zero_grad(set_to_none=True)
             rnd.loss = loss.item()
             losses.append(rnd.loss)
+            if s.args.slowdown > 1.0:  # a slower accelerator, for benchmarks
+                time.sleep((s.args.slowdown - 1.0) * (time.perf_counter() - started))
         if losses and not rnd.cancelled:
             rnd.report(train_loss=sum(losses) / len(losses))
     finish(s)

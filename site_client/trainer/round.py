@@ -144,6 +144,7 @@ class Round:
                 hooks.record(
                     "steps",
                     round=self.number,
+                    steps=self.completed_steps - self.start_step,
                     compute_s=round(self.compute_s, 6),
                     first_step_at=first_at,
                     last_step_at=last_at if last_at is not None else first_at,

@@ -40,9 +40,12 @@ class Cluster:
         faults_env: str = "",
         delay_s: float = 0.0,
         rate_bps: float | None = None,
+        trainer_args: dict[int, tuple[str, ...]] | None = None,
     ) -> None:
-        """``delay_s``, ``rate_bps``: every site's link from the start (see ``Relay``)."""
+        """``delay_s``, ``rate_bps``: every site's link from the start (see ``Relay``);
+        ``trainer_args``: more arguments for the trainers of site ``i``."""
         self.folder = Path(folder)
+        self.trainer_args = trainer_args or {}
         self.link = (delay_s, rate_bps)
         self.spec = spec
         self.faults_env = faults_env
@@ -90,7 +93,8 @@ class Cluster:
             if self.spec.tls:
                 tls_dir = self.folder / "pki" / f"site-{i}"
                 issue(self.folder / "ca", "site", f"site-{i}", tls_dir)
-            site = SiteProcess(self.folder, self.spec, i, relay.address, tls_dir, env)
+            extra = self.trainer_args.get(i, ())
+            site = SiteProcess(self.folder, self.spec, i, relay.address, tls_dir, env, extra)
             self.sites.append(site)
             site.start()
         return self

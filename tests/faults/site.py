@@ -33,8 +33,11 @@ class SiteProcess:
         address: str,
         tls_dir: Path | None,
         env: dict[str, str],
+        trainer_args: tuple[str, ...] = (),
     ) -> None:
+        """``trainer_args``: more arguments for this site's trainers (``--slowdown 2``)."""
         self.name = f"site-{index}"
+        self.trainer_args = tuple(trainer_args)
         self.index = index
         self.spec = spec
         self.address = address
@@ -80,6 +83,7 @@ class SiteProcess:
             str(1 << 20),
             "--checkpoint-every",
             str(self.spec.checkpoint_every),
+            *self.trainer_args,
         ]
 
     def start(self) -> None:
