@@ -73,4 +73,7 @@ def test_the_late_update_counts_once_in_the_next_round_of_its_fragment(ran):
     assert counted[1] == 1, counted  # the late one, once
     folded = [e for e in events if e["kind"] == "update" and e["late_from"] == 1]
     assert [(e["site"], e["round"], e["weight"]) for e in folded] == [("site-1", 3, 0.5)]
-    assert "which it folds into" in (run_dir / "site-1.log").read_text()  # held, said so
+    assert (
+        "waiting for round 3, the round of its fragment it folds into"
+        in (run_dir / "site-1.log").read_text()
+    )  # held, and said so

@@ -220,7 +220,7 @@ class WanWorker:
             waits_for = (
                 "the coordinator to reach it"
                 if job.fold_round is None
-                else f"round {job.fold_round}, the next of its fragment, which it folds into"
+                else f"round {job.fold_round}, the round of its fragment it folds into"
             )
             log.info("[%s] %s: waiting for %s", self.cfg.site, describe(job.task), waits_for)
             return
