@@ -97,6 +97,22 @@ SINGLE: list[Scenario] = [
         streaming.kill_coordinator_ahead,
         streaming.STREAMING,
     ),
+    # Asynchronous rounds: which round each update lands in depends on timing, so the final
+    # theta is not compared with a crash-free run's; nothing lost or counted twice all the same.
+    Scenario(
+        "async: site killed mid-run",
+        streaming.kill_site_async,
+        streaming.ASYNC,
+        deterministic=False,
+        slow=False,
+    ),
+    Scenario(
+        "async: coordinator killed, round open",
+        coord.kill_while_round_open,
+        streaming.ASYNC,
+        deterministic=False,
+        slow=False,
+    ),
 ]
 
 SCENARIOS: list[Scenario] = SINGLE + STANDBY

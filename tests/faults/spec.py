@@ -46,6 +46,11 @@ class JobSpec:
     fragments: int = 1  # [streaming] P; with delay_steps 0 and merge_alpha 0: plain DiLoCo
     delay_steps: int = 0  # [streaming] tau
     merge_alpha: float = 0.0  # [streaming] alpha
+    # Asynchronous rounds (``docs/howto/streaming.md``): with min_sites below sites.
+    merge: str = "blocking"  # [streaming] merge
+    grace_s: float | None = None  # [rounds] grace_s
+    max_staleness: int = 1  # [rounds] max_staleness
+    late_discount: float = 0.0  # [strategy] late_discount
 
     @property
     def streaming(self) -> bool:
@@ -69,12 +74,18 @@ class JobSpec:
             ballast_mib=self.ballast_mib,
             marker_dir=str(marker_dir),
         )
+        rounds = {}  # beyond the plain specs' (absent: their jobs are as they were)
+        if self.late_discount:
+            strategy["late_discount"] = self.late_discount
+        if self.grace_s is not None:
+            rounds.update(grace_s=self.grace_s, max_staleness=self.max_staleness)
         streaming = {}
         if self.streaming:  # absent otherwise: the plain specs' jobs are as they were
             streaming["streaming"] = {
                 "fragments": self.fragments,
                 "delay_steps": self.delay_steps,
                 "merge_alpha": self.merge_alpha,
+                **({"merge": self.merge} if self.merge != "blocking" else {}),
             }
         return job_config(
             name="faults",
@@ -90,6 +101,7 @@ class JobSpec:
                 "max_sites": self.sites,
                 "join_window_s": 30.0,
                 "deadline_s": self.deadline_s,
+                **rounds,
             },
             timeouts={"heartbeat_interval_s": self.heartbeat_s, "lease_ttl_s": self.lease_ttl_s},
             **streaming,

@@ -38,6 +38,17 @@ STREAMING = JobSpec(rounds=2, inner_steps=8, fragments=2, delay_steps=1, checkpo
 TRAINER_FAULT = f"site=site-0,round={ROUND + 1},step={STREAMING.delay_steps},action=kill"
 # Round 1's outer step sleeps this long: the trainer dies ahead of its close.
 SLOW_CLOSE = replace(STREAMING, close_delay_s=4.0, delay_round=ROUND)
+# Asynchronous rounds: a round closes once one site is in and 0.3 s have passed; the trainers
+# merge when the result is there; a late update folds into a later round of its fragment.
+ASYNC = replace(
+    STREAMING,
+    rounds=3,
+    min_sites=1,
+    grace_s=0.3,
+    merge="when_ready",
+    late_discount=0.5,
+    max_staleness=2,
+)
 
 
 def kill_trainer_ahead(c: Cluster) -> None:
@@ -130,3 +141,11 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def kill_site_async(c: Cluster) -> None:
+    """Asynchronous rounds: kill -9 of site-0 once it trained into round 2 (the other site's
+    rounds go on without it meanwhile), and start it again on the same run dir: it rejoins at
+    the newest round, and whatever it had handed over counts once, on time or late."""
+    c.wait_trained(c.sites[0], ROUND + 1, 1)
+    _restart(c, 0)
