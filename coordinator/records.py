@@ -102,13 +102,14 @@ class PushHeader:
 @dataclass(frozen=True)
 class Admission:
     """What an admitted push will count as: its key, the round folder it is spooled in, the
-    theta version it must have been trained from, and its weight factor (a late update's
-    staleness discount)."""
+    theta version it must have been trained from, its weight factor (a late update's
+    staleness discount) and its staleness (versions of its fragment it is behind; 0: on time)."""
 
     key: UpdateKey
     storage_round: int
     trained_from: int
     weight_factor: float = 1.0
+    staleness: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,8 @@ class SiteRecord:
     # show their rungs here).
     codec_bytes: dict[str, int] = field(default_factory=dict)
     updates_counted: int = 0  # since this coordinator started
-    late_updates: int = 0  # of those, counted into the round after their own
+    late_updates: int = 0  # of those, counted into a later round of their fragment
+    stale_versions: int = 0  # of those, the versions of their fragment they were behind, summed
 
 
 @dataclass(frozen=True)

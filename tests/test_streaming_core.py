@@ -12,6 +12,8 @@ except ImportError:
     import core_helpers as ch
 
 from coordinator.events.log import read_events
+from coordinator.observe.metrics import SnapshotCollector
+from coordinator.observe.status import format_status, status_reply
 from coordinator.records import Refused
 from strategies.robust import norm_of
 from wire.digest import state_digest
@@ -269,3 +271,12 @@ def test_with_max_staleness_a_later_update_folds_further_on_at_its_discount_per_
     ch.heartbeat_all(core, clock, tokens, 31.0)
     for n in frags[0]:  # FedAvg of site-a's (weight 1) and the late site-b's (0.5 ** 2)
         torch.testing.assert_close(core.theta[n], before[n] - (own[n] + 0.25 * late[n]) / 1.25)
+    # Status and metrics say how stale the late one was.
+    by_site = {x.site: x for x in status_reply(core.snapshot()).sites}
+    assert (by_site["site-b"].late_updates, by_site["site-b"].stale_versions) == (1, 2)
+    lines = format_status(status_reply(core.snapshot())).splitlines()
+    row = next(x for x in lines if x.startswith("site-b"))
+    assert "1 (1 late, 2.0 behind)" in row
+    families = {f.name: f for f in SnapshotCollector(core.snapshot).collect()}
+    stale = {x.labels["site"]: x.value for x in families["isthmus_site_stale_versions"].samples}
+    assert stale == {"site-a": 0.0, "site-b": 2.0}

@@ -153,7 +153,7 @@ class FederatedData:
             raise Refused(
                 "duplicate", f"the late update of {site!r} for round {round_number} is counted"
             )
-        return Admission(key, round.number, round_number, factor)
+        return Admission(key, round.number, round_number, factor, fold[1])
 
     def recheck(
         self, round: RoundState, admission: Admission, counted: Collection[UpdateKey]

@@ -63,6 +63,7 @@ class Membership:
             codec_bytes=old.codec_bytes if old else {},
             updates_counted=old.updates_counted if old else 0,
             late_updates=old.late_updates if old else 0,
+            stale_versions=old.stale_versions if old else 0,
         )
         self.detector.forget(site)
         self.detector.heartbeat(site, now)
@@ -149,13 +150,14 @@ class Membership:
         round_number: int,
         now: float,
         codecs: dict[str, int] | None = None,
-        late: bool = False,
+        staleness: int = 0,
     ) -> None:
-        """A counted update of ``site``; ``codecs``: its payload's bytes per codec; ``late``:
-        counted into the round after its own."""
+        """A counted update of ``site``; ``codecs``: its payload's bytes per codec;
+        ``staleness``: a late one's versions of its fragment behind (0: on time)."""
         record = self.record(site)
         record.last_update_at, record.last_round_pushed = now, round_number
         record.updates_counted += 1
-        record.late_updates += int(late)
+        record.late_updates += int(staleness > 0)
+        record.stale_versions += staleness
         for codec, nbytes in (codecs or {}).items():
             record.codec_bytes[codec] = record.codec_bytes.get(codec, 0) + nbytes

@@ -235,8 +235,13 @@ def _site_families(snap: StatusSnapshot):
             lambda s: s.progress.compute_utilisation,
         ),
         "site_late_updates": (
-            "Of those, counted late (into the round after their own)",
+            "Of those, counted late (into a later round of their fragment)",
             lambda s: float(s.late_updates),
+        ),
+        "site_stale_versions": (
+            "Of those, the versions of their fragment they were behind, summed (over "
+            "site_late_updates: the mean staleness)",
+            lambda s: float(s.stale_versions),
         ),
         "site_merge_wait_seconds": (
             "Seconds its trainers waited for late fragment results (streaming), in all",

@@ -103,6 +103,7 @@ def _site_status(core, name: str, now: float) -> pb.SiteStatus:
         ),
         updates_counted=rec.updates_counted,
         late_updates=rec.late_updates,
+        stale_versions=rec.stale_versions,
     )
 
 
@@ -240,10 +241,11 @@ def _site_row(x: pb.SiteStatus) -> tuple[str, ...]:
 
 
 def _counted(x: pb.SiteStatus) -> str:
-    """Updates counted, with how many of them late."""
-    return (
-        f"{x.updates_counted} ({x.late_updates} late)" if x.late_updates else str(x.updates_counted)
-    )
+    """Updates counted, with how many of them late and how stale those were on average."""
+    if not x.late_updates:
+        return str(x.updates_counted)
+    mean = x.stale_versions / x.late_updates
+    return f"{x.updates_counted} ({x.late_updates} late, {mean:.1f} behind)"
 
 
 def _health_cell(h: pb.HealthReport) -> str:

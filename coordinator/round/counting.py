@@ -120,8 +120,7 @@ class UpdateCounter:
             alpha = spooled.weight * self.aggregator.clip_scale(norm)
             s.running_sum.offer(self.data.slot_of(key), key, spooled, alpha)
         codecs = upload.manifest.bytes_by_codec()
-        late = key.late_from is not None
-        self.members.note_update(upload.site, upload.round, now, codecs, late)
+        self.members.note_update(upload.site, upload.round, now, codecs, a.staleness)
         self.post(
             "update",
             round=upload.round,

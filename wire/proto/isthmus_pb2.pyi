@@ -335,7 +335,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SiteStatus(_message.Message):
-    __slots__ = ("site", "state", "token", "lease_remaining_s", "last_heartbeat_age_s", "last_update_age_s", "last_round_pushed", "progress", "phi", "suspected", "data_units", "drained", "health", "updates_counted", "late_updates")
+    __slots__ = ("site", "state", "token", "lease_remaining_s", "last_heartbeat_age_s", "last_update_age_s", "last_round_pushed", "progress", "phi", "suspected", "data_units", "drained", "health", "updates_counted", "late_updates", "stale_versions")
     SITE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,7 @@ class SiteStatus(_message.Message):
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     UPDATES_COUNTED_FIELD_NUMBER: _ClassVar[int]
     LATE_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    STALE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     site: str
     state: str
     token: int
@@ -366,7 +367,8 @@ class SiteStatus(_message.Message):
     health: HealthReport
     updates_counted: int
     late_updates: int
-    def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., last_update_age_s: _Optional[float] = ..., last_round_pushed: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., phi: _Optional[float] = ..., suspected: _Optional[bool] = ..., data_units: _Optional[_Iterable[str]] = ..., drained: _Optional[str] = ..., health: _Optional[_Union[HealthReport, _Mapping]] = ..., updates_counted: _Optional[int] = ..., late_updates: _Optional[int] = ...) -> None: ...
+    stale_versions: int
+    def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., last_update_age_s: _Optional[float] = ..., last_round_pushed: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., phi: _Optional[float] = ..., suspected: _Optional[bool] = ..., data_units: _Optional[_Iterable[str]] = ..., drained: _Optional[str] = ..., health: _Optional[_Union[HealthReport, _Mapping]] = ..., updates_counted: _Optional[int] = ..., late_updates: _Optional[int] = ..., stale_versions: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out", "rejections", "aggregation", "data_mode", "units_committed", "units_pending", "evaluation", "fragments")
