@@ -8,7 +8,8 @@ import torch
 from core_helpers import Clock, delta_like, heartbeat_all, new_core, push
 
 from coordinator.events.log import read_events
-from coordinator.records import Refused
+from coordinator.records import PushHeader, Refused
+from wire.tensors import pack
 
 
 def _open_round(core, clock, sites=("site-a", "site-b", "site-c")):
@@ -176,9 +177,6 @@ def test_sites_join_and_leave_at_round_boundaries_and_the_outer_state_carries_on
 def _received_upload(tmp_path):
     """A core in round 0 of two sites, holding site-a's whole upload, not yet finished:
     ``(core, tokens, header, upload)``."""
-    from coordinator.records import PushHeader
-    from wire.tensors import pack
-
     clock = Clock()
     core = new_core(tmp_path, clock, rounds={"min_sites": 2})
     tokens = _open_round(core, clock, ("site-a", "site-b"))
@@ -268,3 +266,30 @@ def test_nothing_counts_once_the_job_finished_not_even_a_late_update(tmp_path):
     assert err.value.code == "late" and "the job finished" in str(err.value)
     events = read_events(core.events.path)
     assert not [e for e in events if e["kind"] == "update" and e["site"] == "site-b"]
+
+
+def test_an_update_still_arriving_when_its_round_closes_is_refused_as_late_not_lost(tmp_path):
+    """A round closed by its deadline (or a grace) while a site's update was still arriving:
+    the round's spool folder is dropped once its checkpoint is written, but not the file of an
+    upload being received, so its end is an orderly "late", not an error of the server."""
+    clock = Clock()
+    core = new_core(tmp_path, clock, rounds={"min_sites": 1, "deadline_s": 30.0})
+    tokens = _open_round(core, clock, ("site-a", "site-b"))
+    push(core, "site-a", tokens["site-a"], 0, delta_like(core, 1.0))
+    manifest, payload = pack(delta_like(core, 2.0))
+    header = PushHeader("site-b", tokens["site-b"], 0, "slow", manifest.to_proto(), 1.0, 0)
+    upload = core.begin_upload(header)  # its stream stays open: the upload is busy
+    core.upload_chunk(upload, 0, bytes(payload))
+    heartbeat_all(core, clock, tokens, 31.0)  # the deadline closes round 0 without it
+    core.writer.wait()  # round 0's checkpoint is written: its spool folder is dropped
+    assert core.round.number == 1 and upload.path.exists()
+    with pytest.raises(Refused) as err:
+        core.finish_upload(upload, tokens["site-b"])
+    assert err.value.code == "late"
+    core.release_upload(upload)
+    assert not upload.path.exists()  # refused for good: its bytes are gone
+    heartbeat_all(core, clock, tokens, 2.0)
+    push(core, "site-a", tokens["site-a"], 1, delta_like(core, 1.0))
+    heartbeat_all(core, clock, tokens, 31.0)
+    core.writer.wait()
+    assert not (core.spool.round_dir(0)).exists()  # the next drop takes the folder

@@ -39,6 +39,7 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -288,19 +289,31 @@ class UpdateSpool:
         path = self.round_dir(round_number) / name
         return json.loads(path.read_text()) if path.exists() else None
 
-    def drop_rounds_before(self, round_number: int) -> None:
+    def drop_rounds_before(self, round_number: int, keep: Collection[Path] = ()) -> None:
         """Delete the folders of rounds before ``round_number``; their update files go to
-        the free pool first, for the next uploads to write over."""
+        the free pool first, for the next uploads to write over. The ``.part`` files in
+        ``keep`` (uploads still being received or verified, which are refused as late when
+        they end) stay, with their ``.ranges`` and folder, until a later call."""
+        kept = {Path(p) for p in keep}
+        kept |= {p.with_suffix(".ranges") for p in kept}
         dropped = [
             d
             for d in self.root.glob("round-*")
             if int(d.name.removeprefix("round-")) < round_number
         ]
         spare = [f for d in dropped for f in (*d.glob("*.update"), *d.glob("*.part"))]
+        spare = [f for f in spare if f not in kept]
         if spare:
             self._refill(spare)
         for d in dropped:
-            shutil.rmtree(d, ignore_errors=True)
+            if not any(p.parent == d for p in kept):
+                shutil.rmtree(d, ignore_errors=True)
+                continue
+            for f in d.iterdir():
+                if f.is_dir():
+                    shutil.rmtree(f, ignore_errors=True)
+                elif f not in kept:
+                    f.unlink(missing_ok=True)
 
     @property
     def free_dir(self) -> Path:

@@ -272,6 +272,12 @@ class UploadTable:
                 if not upload.busy:
                     self._drop(upload)
 
+    def busy_paths(self) -> set[Path]:
+        """The ``.part`` files of the uploads being received or verified right now (a round's
+        spool folder keeps them when the round is dropped: ``UpdateSpool.drop_rounds_before``)."""
+        with self._lock:
+            return {u.path for u in self._uploads.values() if u.busy}
+
     def in_progress(self) -> int:
         with self._lock:
             return len(self._uploads)

@@ -315,7 +315,9 @@ class ClosePipeline:
             return Checkpoint(r + 1, tensors, strategy_state, meta, downlink, theta_hash, file.path)
 
         def written(seconds: float, folder: Path) -> None:
-            self.p.spool.drop_rounds_before(r + 1)
+            # An upload of a closed round still arriving (a grace or deadline closed it) is
+            # refused as late when it ends: its file stays until then.
+            self.p.spool.drop_rounds_before(r + 1, keep=self.p.uploads.busy_paths())
             size = checkpoint_bytes(folder)
             self.p.sink.post(
                 "checkpoint_written", round=r + 1, seconds=round(seconds, 4), bytes=size
