@@ -95,14 +95,20 @@ def test_a_slowdown_seen_in_one_direction_slows_the_other_until_it_measures_itse
 def test_a_site_pushes_at_a_lower_rung_after_its_fetch_found_the_link_slowed(caplog):
     codecs = UplinkCodecs(adaptive(), overlap=1.0, site="site-x")
     caplog.set_level(logging.INFO, logger="isthmus.site")
-    codecs.observe(1_000_000, 0.1)  # 10 MB/s: float32 fits
+    codecs.measured("push", 1_000_000, 0.1)  # 10 MB/s: float32 fits
+    codecs.measured("fetch", 1_000_000, 0.1)
     assert codecs.choose(SHAPES, compute_s=1.0)[1].rung == 0
-    codecs.link_slowed(50.0)  # the fetch took 50x its time
+    codecs.measured("fetch", 1_000_000, 5.0)  # the fetch took 50x its time
+    assert codecs.down.bytes_per_s == pytest.approx(0.2e6)  # refitted to itself
+    assert codecs.rate.bytes_per_s == pytest.approx(0.2e6)  # the uplink taken as slowed alike
     after = codecs.choose(SHAPES, compute_s=1.0)[1]
     assert after.rung > 0 and after.fits, after.reason
     assert any("taken as slowed" in r.message for r in caplog.records)
-    # A push that found the link slowed returns its surprise for the fetch model.
-    assert codecs.observe(1000, 10.0) is not None and codecs.observe(1000, 10.0) is None
+    codecs.measured("push", 1_000_000, 0.1)  # the uplink measures itself: fast again
+    assert codecs.rate.bytes_per_s == pytest.approx(10e6)
+    assert codecs.down.bytes_per_s == pytest.approx(0.2e6)  # a speed-up does not cross over
+    codecs.measured("push", 1_000_000, 1.0)  # a slowed push slows the fetch model too
+    assert codecs.down.bytes_per_s == pytest.approx(0.02e6)
 
 
 def test_sizes_are_what_each_rung_sends_and_rules_still_apply():
@@ -247,7 +253,7 @@ def test_the_site_logs_a_change_of_rung_and_a_ladder_that_cannot_keep_up_once(ca
     caplog.set_level(logging.INFO, logger="isthmus.site")
     cfg, choice = codecs.choose(SHAPES, compute_s=2.0)  # nothing measured yet
     assert choice.rung == 0 and cfg.default.name == "none" and cfg.mode == "fixed"
-    codecs.observe(1000, 1.0)  # 1 KB/s
+    codecs.measured("push", 1000, 1.0)  # 1 KB/s
     for _ in range(3):
         cfg, choice = codecs.choose(SHAPES, compute_s=2.0)
     assert choice.rung == 4 and not choice.fits

@@ -47,36 +47,40 @@ class UplinkCodecs:
     """The compression each update goes up with: the job's, or under ``mode = "adaptive"``
     the rung ``wire.codecs.adaptive.choose_rung`` picks from this site's measured push
     throughput and its trainers' last task time. A change of rung is logged with its reason,
-    and a ladder that cannot meet its deadline is said once (until it can again)."""
+    and a ladder that cannot meet its deadline is said once (until it can again). It keeps the
+    site's models of both link directions (``rate``: its pushes; ``down``: its fetches, which
+    the coordinator's adaptive downlink reads from the heartbeats)."""
 
     def __init__(self, compression: CompressionConfig | None, overlap: float, site: str) -> None:
         self.compression, self.overlap, self.site = compression, overlap, site
         self.rate = LinkRate()
+        self.down = LinkRate()
         self.last: CodecChoice | None = None
 
     @property
     def adaptive(self) -> bool:
         return self.compression is not None and self.compression.adaptive
 
-    def observe(self, nbytes: int, seconds: float) -> float | None:
-        """A push moved ``nbytes`` in ``seconds`` of transfer (the checkpoint's hold left out);
-        returns how many times slower than predicted it was when that means another link
-        (``LinkRate.surprise``), for the fetch model to follow."""
-        surprise = self.rate.surprise(nbytes, seconds)
-        self.rate = self.rate.observe(nbytes, seconds)
-        return surprise
-
-    def link_slowed(self, factor: float) -> None:
-        """A fetch took ``factor`` times longer than its model said: the link slowed, and the
-        next push is chosen as if the uplink slowed alike (``LinkRate.slowed``)."""
-        if self.adaptive and factor > 1:
-            log.info(
-                "[%s] a fetch took %.1fx its predicted time: the uplink is taken as slowed alike "
-                "until a push measures it",
-                self.site,
-                factor,
-            )
-        self.rate = self.rate.slowed(factor)
+    def measured(self, direction: str, nbytes: int, seconds: float) -> None:
+        """A ``"push"`` (its call alone: the encoding and the checkpoint's hold left out) or a
+        ``"fetch"`` moved ``nbytes`` in ``seconds``: into that direction's model. One that took
+        twice its predicted time or more (``LinkRate.surprise``) slows the other direction's
+        model alike until a transfer of its own measures it (``LinkRate.slowed``)."""
+        push = direction == "push"
+        mine, other = (self.rate, self.down) if push else (self.down, self.rate)
+        surprise = mine.surprise(nbytes, seconds)
+        mine = mine.observe(nbytes, seconds)
+        if surprise is not None and surprise > 1:
+            other = other.slowed(surprise)
+            if self.adaptive:
+                log.info(
+                    "[%s] a %s took %.1fx its predicted time: the other direction is taken as "
+                    "slowed alike until it measures itself",
+                    self.site,
+                    direction,
+                    surprise,
+                )
+        self.rate, self.down = (mine, other) if push else (other, mine)
 
     def choose(
         self, shapes: Shapes, compute_s: float | None

@@ -32,7 +32,6 @@ from site_client.transfer.push import fold_round
 from site_client.transfer.theta import GlobalState
 from wire.backoff import DeadlineExceeded
 from wire.codecs import CodecState
-from wire.codecs.adaptive import LinkRate
 from wire.codecs.rules import CompressionConfig
 from wire.safetensors_io import map_tensors, write_tensors
 
@@ -55,7 +54,6 @@ class WanWorker:
         # The codec of each update (``mode = "adaptive"``: chosen from the pushes before).
         self.codecs = UplinkCodecs(compression, overlap, cfg.site)
         self._choice = None  # the adaptive choice behind the update being pushed
-        self.down_rate = LinkRate()  # this site's fetches, for the coordinator's downlink
 
     def loop(self, interval_s: float) -> None:
         """The WAN thread: wait for work, do it, until the agent stops or fails."""
@@ -134,14 +132,8 @@ class WanWorker:
         cpu_s = time.process_time() - cpu
         seconds = time.monotonic() - started
         got_bytes = self.client.bytes_received - received
-        # Told to the coordinator with each heartbeat: its adaptive downlink reads it.
-        surprise = self.down_rate.surprise(got_bytes, seconds)
-        self.down_rate = self.down_rate.observe(got_bytes, seconds)
-        if surprise is not None:
-            self.codecs.link_slowed(surprise)
+        self._measured("fetch", got_bytes, seconds)
         with s.cond:
-            s.progress.fetch_bytes_per_s = self.down_rate.bytes_per_s or 0.0
-            s.progress.fetch_latency_s = self.down_rate.latency_s
             s.transfers.add("fetch", seconds)
             previous = s.ready
             s.held = got
@@ -209,20 +201,7 @@ class WanWorker:
         residuals = residual_snapshot(self.codec_state)
         outcome, counted, cpu_s, wire_s = self._send(job)
         if outcome is None:  # early, or late for a later round: push it once that is open
-            self.codec_state.load_state_dict(residuals)  # encoded again then, the same
-            with s.cond:
-                if job.fold_round is not None:
-                    s.book.defer(job, job.fold_round)
-                else:
-                    s.book.hold(job)
-                s.progress.phase = "idle"
-                s.cond.notify_all()
-            waits_for = (
-                "the coordinator to reach it"
-                if job.fold_round is None
-                else f"round {job.fold_round}, the round of its fragment it folds into"
-            )
-            log.info("[%s] %s: waiting for %s", self.cfg.site, describe(job.task), waits_for)
+            self._hold(job, residuals)
             return
         self._settle_residuals(job, counted, residuals, outcome)
         job.discard_files()  # a held payload keeps its mapping of them
@@ -236,11 +215,8 @@ class WanWorker:
             s.cond.notify_all()
         sent, seconds = self.client.bytes_sent - sent_before, time.monotonic() - started
         held_s = getattr(self.client, "last_push_held_s", 0.0)
-        surprise = self.codecs.observe(sent, wire_s - held_s)  # the link: encoding left out
-        if surprise is not None:  # the fetch model follows a slowed push (LinkRate.slowed)
-            self.down_rate = self.down_rate.slowed(surprise)
+        self._measured("push", sent, wire_s - held_s)  # the encoding left out
         with s.cond:
-            s.progress.fetch_bytes_per_s = self.down_rate.bytes_per_s or 0.0
             s.transfers.add("push", seconds, held_s)
         record(
             self.cfg.run_dir / TIMINGS,
@@ -262,6 +238,33 @@ class WanWorker:
             seconds,
             outcome,
         )
+
+    def _hold(self, job, residuals) -> None:
+        """``job`` waits: for the coordinator to reach its round (refused as early), or for
+        the later round it folds into (``job.fold_round``); encoded again then, the same."""
+        s = self.state
+        self.codec_state.load_state_dict(residuals)
+        with s.cond:
+            if job.fold_round is not None:
+                s.book.defer(job, job.fold_round)
+            else:
+                s.book.hold(job)
+            s.progress.phase = "idle"
+            s.cond.notify_all()
+        waits_for = (
+            "the coordinator to reach it"
+            if job.fold_round is None
+            else f"round {job.fold_round}, the round of its fragment it folds into"
+        )
+        log.info("[%s] %s: waiting for %s", self.cfg.site, describe(job.task), waits_for)
+
+    def _measured(self, direction: str, nbytes: int, seconds: float) -> None:
+        """A transfer into the link models (``UplinkCodecs.measured``); the fetch model goes
+        to the coordinator with each heartbeat (its adaptive downlink reads it)."""
+        self.codecs.measured(direction, nbytes, seconds)
+        with self.state.cond:
+            self.state.progress.fetch_bytes_per_s = self.codecs.down.bytes_per_s or 0.0
+            self.state.progress.fetch_latency_s = self.codecs.down.latency_s
 
     def _send(self, job) -> tuple[str | None, bool, float, float]:
         """Push ``job`` (its held payload when it is sent again); the outcome for the log,
