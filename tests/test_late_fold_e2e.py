@@ -9,21 +9,14 @@ twice."""
 
 from __future__ import annotations
 
-import subprocess
-import tomllib
 from collections import Counter
 
 import pytest
-import tomli_w
 
 try:  # tests/ as a package or as a plain folder on sys.path
-    from . import coord_harness as h
-    from .test_local import SMALL, TRAIN_ARGS
-    from .test_streaming_local import EXAMPLE
+    from .test_streaming_local import job_file, run_local
 except ImportError:
-    import coord_harness as h
-    from test_local import SMALL, TRAIN_ARGS
-    from test_streaming_local import EXAMPLE
+    from test_streaming_local import job_file, run_local
 
 from coordinator.events.log import read_events
 
@@ -41,19 +34,9 @@ FAULTS = ";".join(
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
     folder = tmp_path_factory.mktemp("late_fold")
-    job = tomllib.loads((EXAMPLE / "job.toml").read_text())
-    job.pop("evaluation")
-    job["model"]["kwargs"] = SMALL
-    job["rounds"].update(total=3, inner_steps=H, join_window_s=1.0, min_sites=1, grace_s=0.5)
-    job["strategy"]["late_discount"] = 0.5
-    job["streaming"] = {"fragments": FRAGMENTS, "delay_steps": 1}
-    (folder / "job.toml").write_text(tomli_w.dumps(job))
-    cmd = [*h.coordinator_command(), "local", "--sites", "2", "--config", str(folder / "job.toml")]
-    cmd += ["--run-dir", str(folder / "run"), "--", str(EXAMPLE / "train.py"), *TRAIN_ARGS]
-    env = {**h.subprocess_env(), "ISTHMUS_FAULTS": FAULTS}
-    result = subprocess.run(cmd, cwd=h.REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return folder / "run", result
+    rounds = {"total": 3, "inner_steps": H, "min_sites": 1, "grace_s": 0.5}
+    config = job_file(folder, rounds, {"late_discount": 0.5}, fragments=FRAGMENTS, delay_steps=1)
+    return run_local(folder, config, FAULTS)
 
 
 def test_every_site_ends_on_the_coordinators_theta(ran):

@@ -6,20 +6,12 @@ site still ends on the coordinator's theta."""
 
 from __future__ import annotations
 
-import subprocess
-import tomllib
-
 import pytest
-import tomli_w
 
 try:  # tests/ as a package or as a plain folder on sys.path
-    from . import coord_harness as h
-    from .test_local import SMALL, TRAIN_ARGS
-    from .test_streaming_local import EXAMPLE, records
+    from .test_streaming_local import job_file, records, run_local
 except ImportError:
-    import coord_harness as h
-    from test_local import SMALL, TRAIN_ARGS
-    from test_streaming_local import EXAMPLE, records
+    from test_streaming_local import job_file, records, run_local
 
 pytestmark = [pytest.mark.e2e]  # about 20 s: two real FSDP2 sites
 FRAGMENTS, TAU, H = 2, 1, 8  # 4 inner steps a task, the merge from step 1 on
@@ -30,18 +22,9 @@ STALL = f"site=site-1,round=1,step={H // FRAGMENTS},action=stall,seconds=4"
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
     folder = tmp_path_factory.mktemp("when_ready")
-    job = tomllib.loads((EXAMPLE / "job.toml").read_text())
-    job.pop("evaluation")
-    job["model"]["kwargs"] = SMALL
-    job["rounds"].update(total=2, inner_steps=H, join_window_s=1.0)
-    job["streaming"] = {"fragments": FRAGMENTS, "delay_steps": TAU, "merge": "when_ready"}
-    (folder / "job.toml").write_text(tomli_w.dumps(job))
-    cmd = [*h.coordinator_command(), "local", "--sites", "2", "--config", str(folder / "job.toml")]
-    cmd += ["--run-dir", str(folder / "run"), "--", str(EXAMPLE / "train.py"), *TRAIN_ARGS]
-    env = {**h.subprocess_env(), "ISTHMUS_FAULTS": STALL}
-    result = subprocess.run(cmd, cwd=h.REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return folder / "run", result
+    rounds = {"total": 2, "inner_steps": H}
+    config = job_file(folder, rounds, fragments=FRAGMENTS, delay_steps=TAU, merge="when_ready")
+    return run_local(folder, config, STALL)
 
 
 def test_every_site_ends_on_the_coordinators_theta(ran):

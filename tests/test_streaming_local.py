@@ -6,6 +6,7 @@ coordinator's theta."""
 from __future__ import annotations
 
 import json
+import subprocess
 import tomllib
 
 import pytest
@@ -13,10 +14,10 @@ import tomli_w
 
 try:  # tests/ as a package or as a plain folder on sys.path
     from . import coord_harness as h
-    from .test_local import SMALL, TRAIN_ARGS, run
+    from .test_local import SMALL, TRAIN_ARGS
 except ImportError:
     import coord_harness as h
-    from test_local import SMALL, TRAIN_ARGS, run
+    from test_local import SMALL, TRAIN_ARGS
 
 from coordinator.persist.export import read_card
 
@@ -25,18 +26,32 @@ EXAMPLE = h.REPO / "examples" / "gpt_diloco"
 FRAGMENTS, TAU, H, OUTER_ROUNDS = 2, 1, 4, 2
 
 
-def job_file(folder, **streaming):
-    """The example job, raw float32 both ways (so bytes say which tensors travelled)."""
+def job_file(folder, rounds=None, strategy=None, **streaming):
+    """The example job, raw float32 both ways (so bytes say which tensors travelled), with
+    ``rounds`` and ``strategy`` entries changed."""
     job = tomllib.loads((EXAMPLE / "job.toml").read_text())
     for table in ("compression", "evaluation"):
         job.pop(table)
     job["model"]["kwargs"] = SMALL
     job["rounds"].update(total=OUTER_ROUNDS, inner_steps=H, join_window_s=1.0)
+    job["rounds"].update(rounds or {})
+    job["strategy"].update(strategy or {})
     job["streaming"] = streaming
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "job.toml"
     path.write_text(tomli_w.dumps(job))
     return path
+
+
+def run_local(folder, config, faults: str = "", sites: int = 2) -> tuple:
+    """``coordinator local`` with ``sites`` sites of the example trainer on ``config``, with
+    ``ISTHMUS_FAULTS`` = ``faults``; (its run dir, the finished process), which exited 0."""
+    cmd = [*h.coordinator_command(), "local", "--sites", str(sites), "--config", str(config)]
+    cmd += ["--run-dir", str(folder / "run"), "--", str(EXAMPLE / "train.py"), *TRAIN_ARGS]
+    env = {**h.subprocess_env(), "ISTHMUS_FAULTS": faults}
+    result = subprocess.run(cmd, cwd=h.REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return folder / "run", result
 
 
 def records(path, kind: str) -> list[dict]:
@@ -48,11 +63,7 @@ def records(path, kind: str) -> list[dict]:
 def streamed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("streamed")
     config = job_file(folder, fragments=FRAGMENTS, delay_steps=TAU, merge_alpha=0.5)
-    cmd = [*h.coordinator_command(), "local", "--sites", "2", "--config", str(config)]
-    cmd += ["--run-dir", str(folder / "run"), "--", str(EXAMPLE / "train.py"), *TRAIN_ARGS]
-    result = run(cmd)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return folder / "run", result
+    return run_local(folder, config)
 
 
 def test_every_round_closes_and_every_site_ends_on_the_coordinators_theta(streamed):

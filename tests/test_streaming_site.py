@@ -123,6 +123,19 @@ def test_no_periodic_checkpoint_before_a_pending_merge(pending, want):
     assert written == want  # step 4 is the task's end, written by the hand-over
 
 
+def quiet_hooks(before_step=None) -> RoundHooks:
+    """Hooks that do nothing around a step but ``before_step``."""
+    return RoundHooks(
+        cancel_requested=lambda rnd, step: False,
+        after_step=lambda rnd, step: None,
+        checkpoint=lambda rnd, step: None,
+        settle=lambda: None,
+        checkpoint_every=0,
+        report=lambda **metrics: None,
+        before_step=before_step,
+    )
+
+
 class _Agent:
     """A session whose agent has theta_{r+1} from the ``ready_at``-th ask on (counting from
     1); asks that wait (``_wait_round``) are told apart from those that do not."""
@@ -147,16 +160,7 @@ def merged_at(merge: str, ready_at: int, steps: int = 6, tau: int = 2):
     rounds.plan = SimpleNamespace(names=lambda r: ["w"])
     rounds._use = lambda spec: None
     rounds._merge = lambda names, spec, step: agent.merged.append(step)
-    hooks = RoundHooks(
-        cancel_requested=lambda rnd, step: False,
-        after_step=lambda rnd, step: None,
-        checkpoint=lambda rnd, step: None,
-        settle=lambda: None,
-        checkpoint_every=0,
-        report=lambda **metrics: None,
-        before_step=rounds._before_step,
-    )
-    rnd = Round(RoundSpec(5, -1, steps, 8, False), 0, hooks)
+    rnd = Round(RoundSpec(5, -1, steps, 8, False), 0, quiet_hooks(rounds._before_step))
     rnd.merge_pending = True
     assert list(rnd.steps()) == list(range(steps))  # no step is skipped or cancelled
     assert rnd.merge_pending is False
@@ -205,15 +209,7 @@ class _Behind:
         return self.polled
 
     def _hooks(self, model, optimizer, before_step=None, settle=None, cancel_requested=None):
-        return RoundHooks(
-            cancel_requested=lambda rnd, step: False,
-            after_step=lambda rnd, step: None,
-            checkpoint=lambda rnd, step: None,
-            settle=lambda: None,
-            checkpoint_every=0,
-            report=lambda **metrics: None,
-            before_step=None,
-        )
+        return quiet_hooks()
 
     def _load(self, pieces, theta, spec):
         self.loaded.append(spec.round)
