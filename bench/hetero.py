@@ -2,8 +2,9 @@
 
 ::
 
-    python -m bench.hetero [--quick] [--runs blocking,streaming,async] [--slowdown 2]
-                           [--rounds 6] [--inner-steps 80] [--out DIR] [--png PATH]
+    python -m bench.hetero [--quick] [--runs blocking,streaming,async,streaming-kill,async-kill]
+                           [--slowdown 2] [--down-s 5] [--rounds 6] [--inner-steps 80]
+                           [--out DIR] [--png PATH]
 
 Each run is a real job, as in ``bench.utilisation``: a ``coordinator serve`` and three
 ``siteclient start`` sites (one FSDP2 trainer each, ``examples/gpt_diloco/train.py``, the
@@ -22,6 +23,9 @@ Runs, the same outer rounds and inner steps (``--rounds`` of H = ``--inner-steps
   (the trainers train on past tau while a round is late), ``late_discount = 0.5`` and
   ``max_staleness = 3`` (an update that misses its round folds into the next round of its
   fragment still open, up to three versions of it behind, at half weight per version).
+- ``streaming-kill``, ``async-kill``: the same, with site 1 (a fast one) killed with SIGKILL,
+  agent and trainers, once half the coordinator rounds have closed, and started again on the
+  same run dir ``--down-s`` seconds later.
 
 What is measured
 ----------------
@@ -33,13 +37,16 @@ times batch x sequence length). Every theta the coordinator checkpoints is kept 
 as it appears) and evaluated afterwards on held-out text (``examples.gpt_diloco.evaluate``),
 which gives each run's validation loss over wall time and over counted tokens. The runs are
 compared at equal wall time (the shortest run's span: the newest theta each run had
-checkpointed by then) and at equal counted tokens.
+checkpointed by then) and at equal counted tokens, both from the runs without a kill; a killed
+site's own CU (its downtime in it) is marked and left out of a run's lowest.
 
 Output: a line per run, the table, the plot (``hetero.png`` in ``--out``, or ``--png``) and
 last ``async_cu_min=... streaming_cu_min=... blocking_cu_min=...
 async_loss_vs_streaming_pct=... async_tokens_vs_streaming=...
 async_loss_vs_streaming_equal_tokens_pct=...`` (pct: 100 * (async - streaming) / streaming, at
-equal wall time unless said). About 4 minutes on 2 cores; ``--quick`` about 2.
+equal wall time unless said), and with the kill runs ``streaming_kill_cu_min=...
+async_kill_cu_min=... async_kill_loss_vs_streaming_kill_pct=...``. About 6 minutes on 2 cores;
+``--quick`` about 3.
 """
 
 from __future__ import annotations
@@ -78,27 +85,26 @@ from bench.progress import steps  # noqa: E402
 from bench.utilisation import MODEL, QUICK_MODEL, UtilisationSpec, model_params  # noqa: E402
 from bench.utilisation_report import SiteUse, read_jsonl  # noqa: E402
 
-RUNS = ("blocking", "streaming", "async")
+RUNS = ("blocking", "streaming", "async", "streaming-kill", "async-kill")
+KILLED = 1  # the site a "-kill" run kills halfway (a fast one) and starts again
+ASYNC = {"merge": "when_ready", "grace_s": 0.3, "late_discount": 0.5, "max_staleness": 3}
 SITES, SLOW_SITE, BATCH = 3, 2, 4  # train.py's --batch-size in the harness
 
 
 @dataclass(frozen=True)
 class HeteroSpec(UtilisationSpec):
-    """``bench.utilisation``'s job (fp32) for one of ``RUNS``."""
+    """``bench.utilisation``'s job (fp32) for one of ``RUNS`` (the async settings are the
+    harness's ``JobSpec`` fields, set by ``spec_of``)."""
 
     run: str = "blocking"
-    grace_s: float = 0.3
-    late_discount: float = 0.5
-    max_staleness: int = 3
 
     def config(self, marker_dir: Path) -> dict:
-        cfg = super().config(marker_dir)
+        cfg = super().config(marker_dir)  # its strategy table replaces the harness's
         cfg["job"]["name"] = f"hetero-{self.run}"
-        if self.run == "async":
-            cfg["rounds"].update(grace_s=self.grace_s, grace_spread_factor=1.0)
-            cfg["streaming"]["merge"] = "when_ready"
+        if self.late_discount:
             cfg["strategy"]["late_discount"] = self.late_discount
-            cfg["rounds"]["max_staleness"] = self.max_staleness
+        if self.grace_s is not None:  # the recent arrival spread, at most grace_s
+            cfg["rounds"]["grace_spread_factor"] = 1.0
         return cfg
 
 
@@ -109,6 +115,7 @@ class Plan:
     inner_steps: int
     slowdown: float
     timeout_s: float
+    down_s: float = 5.0  # how long a "-kill" run's site stays down
     runs: list[str] = field(default_factory=list)
 
     @property
@@ -117,6 +124,7 @@ class Plan:
 
 
 def spec_of(name: str, plan: Plan) -> HeteroSpec:
+    name = name.removesuffix("-kill")
     streaming = name != "blocking"
     p = 2 if streaming else 1
     return HeteroSpec(
@@ -128,6 +136,7 @@ def spec_of(name: str, plan: Plan) -> HeteroSpec:
         delay_steps=3 * (plan.inner_steps // p) // 4 if streaming else 0,
         min_sites=2 if name == "async" else SITES,
         deadline_s=plan.timeout_s,
+        **(ASYNC if name == "async" else {}),
         run=name,
     )
 
@@ -173,6 +182,21 @@ def evaluate_kept(keep: Path, model_kwargs: dict) -> dict[int, float]:
     return out
 
 
+def kill_halfway(cluster: Cluster, plan: Plan, rounds: int, until: float) -> None:
+    """Once half the coordinator rounds closed, kill -9 site ``KILLED`` (agent and trainers)
+    and start it again ``plan.down_s`` later, on the same run dir."""
+    cluster.wait_for(
+        lambda: max(cluster.watcher.closed_rounds(), default=-1) + 1 >= rounds // 2,
+        max(1.0, until - time.monotonic()),
+        "half the rounds to close",
+    )
+    site = cluster.sites[KILLED]
+    cluster.mark_fault()
+    site.kill()
+    time.sleep(plan.down_s)
+    site.start()
+
+
 def run(folder: Path, name: str, plan: Plan) -> RunResult:
     """One job to the end; raises with the processes' logs if it did not finish cleanly."""
     shutil.rmtree(folder, ignore_errors=True)
@@ -180,9 +204,12 @@ def run(folder: Path, name: str, plan: Plan) -> RunResult:
     spec = spec_of(name, plan)
     with Cluster(folder, spec, delay_s=0.02, rate_bps=50e6 / 8, trainer_args=slow) as cluster:
         keeper = ThetaKeeper(cluster.state / "checkpoints", folder / "kept")
+        started = time.monotonic()
         cluster.start()
         keeper.start()
-        record = cluster.finish(timeout=plan.timeout_s)
+        if name.endswith("-kill"):
+            kill_halfway(cluster, plan, spec.coordinator_rounds, started + plan.timeout_s)
+        record = cluster.finish(timeout=max(1.0, started + plan.timeout_s - time.monotonic()))
         keeper.stopped.set()
         keeper.join(5)
         keeper.scan()
@@ -203,6 +230,7 @@ def run(folder: Path, name: str, plan: Plan) -> RunResult:
     result = RunResult(
         name=name,
         sites={s: SiteUse.from_records(rs) for s, rs in records.items()},
+        killed=f"site-{KILLED}" if name.endswith("-kill") else "",
         tokens_trained=sum(trained.values()),
         by_site={s: (trained[s], counted.get(s, 0.0)) for s in trained},
         points=points_of(keeper.written, losses, tokens, t0),
@@ -218,9 +246,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="a short smoke run (about 2 minutes)")
+    p.add_argument("--quick", action="store_true", help="a short smoke run (about 3 minutes)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"of {', '.join(RUNS)}")
     p.add_argument("--slowdown", type=float, default=2.0, help="site-2's steps are F times as long")
+    p.add_argument("--down-s", type=float, default=5.0, help="a -kill run's site stays down")
     p.add_argument("--rounds", type=int, help="outer rounds (default 6; quick 3)")
     p.add_argument("--inner-steps", type=int, help="H (default 80; quick 40)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
@@ -244,6 +273,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         inner_steps=h,
         slowdown=args.slowdown,
         timeout_s=args.timeout,
+        down_s=args.down_s,
         runs=runs,
     )
 
@@ -277,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         "\nCU: time inside inner steps / wall time from first step to last (site-2 is the slow "
         "one); wait: the longest mean wait per task of a site (between tasks and at merges). "
         "trained: every\nsite's inner steps x batch x seq; counted: the updates folded into theta "
-        "(late ones at their discount). loss @: the newest theta checkpointed by then."
+        "(late ones at their discount). loss @: the newest theta checkpointed by then.\n* the "
+        "site killed halfway: its downtime counts against its CU, which is left out of CU min."
     )
     print("\neach site's tokens counted into theta / trained (thousands):")
     print("\n".join(site_lines(results)))

@@ -34,11 +34,14 @@ class RunResult:
     tokens_trained: float  # every inner step of every site, counted or not
     by_site: dict[str, tuple[float, float]] = field(default_factory=dict)  # trained, counted
     points: list[Point] = field(default_factory=list)  # by version
+    killed: str = ""  # the site killed halfway and started again ("": none)
     notes: list[str] = field(default_factory=list)
 
     @property
     def cu_min(self) -> float:
-        values = [u.utilisation for u in self.sites.values()]
+        """The lowest utilisation of the sites (a killed site's downtime left out: of the
+        others)."""
+        values = [u.utilisation for s, u in self.sites.items() if s != self.killed]
         return min(values) if values else math.nan
 
     @property
@@ -140,8 +143,10 @@ class Compared:
 
 
 def compare(results: Sequence[RunResult]) -> Compared:
-    wall = min(r.span_s for r in results)
-    tokens = min(r.tokens_counted for r in results)
+    """At the shortest span and the fewest counted tokens of the runs without a kill."""
+    plain = [r for r in results if not r.killed] or list(results)
+    wall = min(r.span_s for r in plain)
+    tokens = min(r.tokens_counted for r in plain)
     at_wall = {r.name: r.at_time(wall) for r in results}
     at_tokens = {r.name: r.at_tokens(tokens) for r in results}
     return Compared(
@@ -160,7 +165,8 @@ def table(results: Sequence[RunResult], compared: Compared) -> None:
     header += [f"loss @{compared.tokens / 1e3:.0f} ktok"]
     rows = []
     for r in results:
-        cells = [r.name, *[f"{r.sites[s].utilisation:.3f}" for s in names], f"{r.cu_min:.3f}"]
+        cus = [f"{r.sites[s].utilisation:.3f}" + ("*" if s == r.killed else "") for s in names]
+        cells = [r.name, *cus, f"{r.cu_min:.3f}"]
         waits = [u.blocked_per_round_s for u in r.sites.values()]
         cells += [f"{max(waits):.2f}", f"{r.tokens_trained / 1e3:.0f}"]
         cells += [f"{r.tokens_counted / 1e3:.0f}", str(r.points[-1].version if r.points else 0)]
@@ -177,6 +183,13 @@ def headline(results: Sequence[RunResult], compared: Compared) -> dict[str, floa
     for name in ("async", "streaming", "blocking"):
         if name in by:
             out[f"{name}_cu_min"] = by[name].cu_min
+    for name in ("async-kill", "streaming-kill"):
+        if name in by:
+            out[f"{name.replace('-', '_')}_cu_min"] = by[name].cu_min
+    if "async-kill" in by and "streaming-kill" in by:
+        out["async_kill_loss_vs_streaming_kill_pct"] = pct(
+            compared.loss_at_wall["async-kill"], compared.loss_at_wall["streaming-kill"]
+        )
     if "async" in by and "streaming" in by:
         a, s = compared.loss_at_wall["async"], compared.loss_at_wall["streaming"]
         out["async_loss_vs_streaming_pct"] = pct(a, s)

@@ -77,13 +77,21 @@ def test_runs_are_compared_at_the_shortest_span_and_the_fewest_counted_tokens():
     assert figures["async_tokens_vs_streaming"] == pytest.approx(200 / 150)
     assert last_line(figures).startswith("async_cu_min=0.9 streaming_cu_min=0.9 ")
     assert math.isnan(run("x", []).span_s)
+    killed = run("async-kill", [Point(0, 0, 0, 5.0), Point(1, 5, 90, 3.9)], cus=(0.9, 0.2))
+    killed.killed = "site-1"
+    assert killed.cu_min == pytest.approx(0.9)  # the killed site's downtime is left out
+    with_kill = compare([fast, slow, killed])
+    assert (with_kill.wall_s, with_kill.tokens) == (8, 200)  # from the runs without a kill
+    assert with_kill.loss_at_wall["async-kill"] == 3.9
     fast.by_site = {"site-1": (20e3, 10e3), "site-0": (30e3, 30e3)}
     assert site_lines([fast]) == ["async      site-0 30/30, site-1 10/20"]
 
 
 def test_the_plan_and_the_runs_jobs(tmp_path):
     plan = make_plan(parse_args(["--quick"]))
-    assert plan.runs == ["blocking", "streaming", "async"] and plan.inner_steps == 40
+    assert plan.runs == ["blocking", "streaming", "async", "streaming-kill", "async-kill"]
+    assert plan.inner_steps == 40 and plan.down_s == 5.0
+    assert spec_of("async-kill", plan) == spec_of("async", plan)  # the same job, a kill added
     blocking, asynchronous = spec_of("blocking", plan), spec_of("async", plan)
     assert (blocking.fragments, blocking.min_sites) == (1, 3)
     assert (asynchronous.fragments, asynchronous.delay_steps, asynchronous.min_sites) == (2, 15, 2)
