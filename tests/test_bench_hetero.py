@@ -1,4 +1,4 @@
-"""``bench.hetero``'s figures from given records (``bench.hetero_report``): tokens trained and
+"""``bench.hetero``'s figures from given records (``bench.hetero.report``): tokens trained and
 counted, the comparison at equal wall time and equal tokens, the last line; and its plan's
 refusals. The runs themselves are the benchmark's (``python -m bench.hetero``)."""
 
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from bench.hetero import make_plan, parse_args, spec_of
-from bench.hetero_report import (
+from bench.hetero.plan import make_plan, parse_args, spec_of
+from bench.hetero.report import (
     Point,
     RunResult,
     compare,
