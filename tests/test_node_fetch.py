@@ -80,7 +80,10 @@ def test_a_node_fetches_only_its_trainers_rows_bit_for_bit(coord, pki, tmp_path,
     # rows after it and before 512 were not, and no trainer of this host reads them.
     assert part["lin.weight"][:64].any() and not part["lin.weight"][128:511].any()
     everything = fetch_boxes(c, whole.version, whole.theta_hash.hex(), None, tmp_path / "all.st")
-    assert everything == len(map_tensors(tmp_path / "whole.safetensors").payload())
+    size = len(map_tensors(tmp_path / "whole.safetensors").payload())
+    # Every byte, and over K streams at most a block more per stream, as above (a stream that
+    # took over the end of another's piece: seen once in a clean clone's run on 2 busy cores).
+    assert size <= everything <= size + (streams - 1) * MB
     assert torch.equal(map_tensors(tmp_path / "all.st").tensors["lin.weight"], w)
     c.close()
 
