@@ -172,11 +172,7 @@ def run(folder: Path, name: str, plan: Plan) -> RunResult:
         follow_schedule(cluster, plan.phases, started + plan.timeout_s)
         record = cluster.finish(timeout=max(1.0, started + plan.timeout_s - time.monotonic()))
         counters = [relay.counters() for relay in cluster.relays]
-        bad = record.problems + [f"{s} exited with {c}" for s, c in record.site_codes.items() if c]
-        if record.coordinator_code != 0:
-            bad.append(f"the coordinator exited with {record.coordinator_code}")
-        if bad:
-            raise RuntimeError(f"{name}: {'; '.join(bad)}\n{cluster.tails()}")
+        cluster.check_clean(record, name)
         sites = {site.name: site.run_dir for site in cluster.sites}
     fixed = "none" if name in ("fp32", "adaptive") else name
     losses = [final_val_loss(d) for d in sites.values()]

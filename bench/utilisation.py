@@ -174,13 +174,7 @@ def run(folder: Path, setting: Setting, plan: Plan) -> Result:
         cluster.start()
         record = cluster.finish(timeout=plan.timeout_s)
         counters = [relay.counters() for relay in cluster.relays]
-        bad = record.problems + [
-            f"{name} exited with {code}" for name, code in record.site_codes.items() if code != 0
-        ]
-        if record.coordinator_code != 0:
-            bad.append(f"the coordinator exited with {record.coordinator_code}")
-        if bad:
-            raise RuntimeError(f"{setting.slug}: {'; '.join(bad)}\n{cluster.tails()}")
+        cluster.check_clean(record, setting.slug)
         run_dirs = [site.run_dir for site in cluster.sites]
     losses = [final_val_loss(d) for d in run_dirs]
     result = Result(

@@ -100,11 +100,7 @@ def run(folder: Path, name: str, plan: Plan) -> RunResult:
         keeper.stopped.set()
         keeper.join(5)
         keeper.scan()
-        bad = record.problems + [f"{s} exited with {c}" for s, c in record.site_codes.items() if c]
-        if record.coordinator_code != 0:
-            bad.append(f"the coordinator exited with {record.coordinator_code}")
-        if bad:
-            raise RuntimeError(f"{name}: {'; '.join(bad)}\n{cluster.tails()}")
+        cluster.check_clean(record, name)
         sites = {site.name: site.run_dir for site in cluster.sites}
     records = {s: read_jsonl(d / "trainer_timings.jsonl") for s, d in sites.items()}
     t0 = min(r["first_step_at"] for rs in records.values() for r in steps_records(rs))

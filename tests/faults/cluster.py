@@ -210,6 +210,16 @@ class Cluster:
     def wait_for(self, predicate, timeout: float, what: str, interval: float = 0.02):
         return wait_while_sites_live(predicate, timeout, what, self.sites, self.tails, interval)
 
+    def check_clean(self, record: RunRecord, name: str) -> None:
+        """Raise, naming what went wrong and with the processes' last log lines, unless the
+        run ended cleanly: no problem recorded, every agent and the coordinator exited 0
+        (what a benchmark's run must be to be measured)."""
+        bad = record.problems + [f"{s} exited with {c}" for s, c in record.site_codes.items() if c]
+        if record.coordinator_code != 0:
+            bad.append(f"the coordinator exited with {record.coordinator_code}")
+        if bad:
+            raise RuntimeError(f"{name}: {'; '.join(bad)}\n{self.tails()}")
+
     def tails(self) -> str:
         parts = [f"--- coordinator ---\n{self.coordinator.log_tail(40)}"]
         parts += [f"--- {s.name} ---\n{s.tail(40)}" for s in self.sites]
