@@ -100,6 +100,11 @@ def test_a_replayed_close_encodes_the_adaptive_downlink_at_the_recorded_rung(tmp
     assert {e.codec for e in core.published.delta_manifest.entries} == {"int4"}
     close = json.loads((tmp_path / "state/spool/round-00000000/_close.json").read_text())
     assert close["downlink"]["codec"] == "int4" and close["downlink"]["fits"] is False
+    # The failed write must be over before the real save is back (as in the test above):
+    # written after it, the checkpoint would commit round 0 and drop its spool under the
+    # replay, as a loaded machine showed once.
+    with pytest.raises(OSError):
+        core.writer.wait()
     core.events.close()
     monkeypatch.undo()
 
