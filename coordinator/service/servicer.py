@@ -27,14 +27,13 @@ from wire.chunking import DEFAULT_CHUNK_BYTES, ChunkError, iter_chunks
 from wire.codecs.link_rate import measured
 from wire.health import Probe
 from wire.net.leader import LEADER_KEY
+from wire.net.refusals import COMMITTED_BY, FOLD_ROUND
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.transfer import Piece
 
 log = logging.getLogger("isthmus.coordinator")
 
-COMMITTED_BY = "isthmus-committed-by"
-FOLD_ROUND = "isthmus-fold-round"
 STATUS_CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     # Damaged in flight (the payload's digest does not match): the site sends it again.

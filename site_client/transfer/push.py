@@ -52,11 +52,9 @@ from site_client.transfer.plan import Endpoint, routed
 from site_client.transfer.progress import TransferProgress
 from wire.bulk import RESERVE_WAIT_S, chunk_frame
 from wire.chunking import ChunkError
+from wire.net.refusals import COMMITTED_BY, FOLD_ROUND
 from wire.proto import isthmus_pb2 as pb
 from wire.transfer import Piece, ReceivedRanges, plan_pieces
-
-COMMITTED_BY = "isthmus-committed-by"
-FOLD_ROUND = "isthmus-fold-round"
 
 
 def _trailing(exc: BaseException, key: str) -> str:
