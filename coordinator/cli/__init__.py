@@ -21,6 +21,7 @@ from coordinator.cli.ha import add_ha_flags, call_leader, check_advertised_name,
 from coordinator.cli.history import add_history_parser, run_history
 from coordinator.cli.local import add_local_parser, run_local, split_script
 from coordinator.cli.operator import add_drain_parsers, operator_call_failure, run_drain
+from coordinator.cli.shard import add_shard_parser, run_shard
 from coordinator.service.job_end import (
     already_complete,
     complete_message,
@@ -85,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     add_certs_parser(sub)
     add_history_parser(sub)
     add_drain_parsers(sub)
+    add_shard_parser(sub)
     return p
 
 
@@ -279,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             "history": run_history,
             "drain": run_drain,
             "undrain": run_drain,
+            "shard": run_shard,
         }
         return commands[args.command](args)
     except (ConfigError, StartError, ExportError, IdentityError, OSError) as exc:

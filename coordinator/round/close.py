@@ -224,26 +224,10 @@ class ClosePipeline:
 
     def _step_by_tensor(self, theta: ThetaBuffer, agg: Aggregate):
         """A separable strategy's in-place step, one tensor at a time, each tensor of theta_r
-        given back to its file once stepped: theta_r is never resident whole. None if the
-        strategy has no in-place step after all (it must say so on the first tensor: after
-        that its state has moved)."""
-        s, new = self.p.strategy, dict(theta.tensors)
+        given back to its file once stepped: theta_r is never resident whole."""
         current = self.p.theta_files.current
-        for i, (name, delta) in enumerate(agg.mean_delta.items()):
-            one = {name: theta.tensors[name]}
-            got = call_hook(s, "outer_step_in_place", one, replace(agg, mean_delta={name: delta}))
-            if got is None and i == 0:
-                return None
-            if got is None:
-                raise StrategyError(
-                    f"strategy {s.plugin_name!r} failed in outer_step_in_place: it returned "
-                    f"None for {name!r} after stepping earlier tensors (a separable strategy "
-                    "steps every tensor or none)"
-                )
-            new[name] = check_outer_result(s, one, got)[name]
-            if current is not None and theta is current.theta:
-                current.release(name)
-        return new
+        release = current.release if current is not None and theta is current.theta else None
+        return step_by_tensor(self.p.strategy, theta.tensors, agg, release)
 
     def publish(self, order: CloseOrder, nxt: ThetaBuffer, outcome: Outcome, clock=None, rung=None):
         """Hash theta_{r+1}, make it the served theta and open the way to round r+1
@@ -383,3 +367,27 @@ class _NoRecord:
 
 
 _NO_RECORD = _NoRecord()
+
+
+def step_by_tensor(strategy: Strategy, theta: dict, agg: Aggregate, stepped=None):
+    """A separable strategy's in-place step over ``theta``'s tensors, one at a time (the
+    coordinator's close and each coordinator shard's: the same operations on each tensor).
+    ``stepped(name)`` is told each tensor once it is done. None if the strategy has no in-place
+    step after all (it must say so on the first tensor: after that its state has moved)."""
+    new = dict(theta)
+    for i, (name, delta) in enumerate(agg.mean_delta.items()):
+        one = {name: theta[name]}
+        only = replace(agg, mean_delta={name: delta})
+        got = call_hook(strategy, "outer_step_in_place", one, only)
+        if got is None and i == 0:
+            return None
+        if got is None:
+            raise StrategyError(
+                f"strategy {strategy.plugin_name!r} failed in outer_step_in_place: it returned "
+                f"None for {name!r} after stepping earlier tensors (a separable strategy "
+                "steps every tensor or none)"
+            )
+        new[name] = check_outer_result(strategy, one, got)[name]
+        if stepped is not None:
+            stepped(name)
+    return new

@@ -305,18 +305,20 @@ class PushMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("complete", "acked_offset", "message", "granted", "received")
+    __slots__ = ("complete", "acked_offset", "message", "granted", "received", "receipt")
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     ACKED_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     GRANTED_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     complete: bool
     acked_offset: int
     message: str
     granted: bool
     received: _containers.RepeatedCompositeFieldContainer[ByteRange]
-    def __init__(self, complete: _Optional[bool] = ..., acked_offset: _Optional[int] = ..., message: _Optional[str] = ..., granted: _Optional[bool] = ..., received: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ...) -> None: ...
+    receipt: bytes
+    def __init__(self, complete: _Optional[bool] = ..., acked_offset: _Optional[int] = ..., message: _Optional[str] = ..., granted: _Optional[bool] = ..., received: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ..., receipt: _Optional[bytes] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("lease", "reason")
@@ -444,3 +446,71 @@ class Evaluation(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     seconds: float
     def __init__(self, version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class ShardPart(_message.Message):
+    __slots__ = ("site", "upload_id", "digest", "weight", "alpha")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    upload_id: str
+    digest: bytes
+    weight: float
+    alpha: float
+    def __init__(self, site: _Optional[str] = ..., upload_id: _Optional[str] = ..., digest: _Optional[bytes] = ..., weight: _Optional[float] = ..., alpha: _Optional[float] = ...) -> None: ...
+
+class ShardCloseRequest(_message.Message):
+    __slots__ = ("round", "parts", "plan_digest")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    parts: _containers.RepeatedCompositeFieldContainer[ShardPart]
+    plan_digest: str
+    def __init__(self, round: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[ShardPart, _Mapping]]] = ..., plan_digest: _Optional[str] = ...) -> None: ...
+
+class TensorDigest(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    digest: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class ShardCloseReply(_message.Message):
+    __slots__ = ("version", "tensors", "replayed")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorDigest]
+    replayed: bool
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorDigest, _Mapping]]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class ShardStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardStatusReply(_message.Message):
+    __slots__ = ("shard", "shards", "plan_digest", "version", "tensors", "bytes", "parts_held")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARTS_HELD_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    shards: int
+    plan_digest: str
+    version: int
+    tensors: int
+    bytes: int
+    parts_held: int
+    def __init__(self, shard: _Optional[int] = ..., shards: _Optional[int] = ..., plan_digest: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., parts_held: _Optional[int] = ...) -> None: ...

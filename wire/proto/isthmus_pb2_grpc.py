@@ -396,3 +396,204 @@ class Coordinator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ShardStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Push = channel.stream_unary(
+                '/isthmus.v1.Shard/Push',
+                request_serializer=wire_dot_proto_dot_isthmus__pb2.PushMessage.SerializeToString,
+                response_deserializer=wire_dot_proto_dot_isthmus__pb2.PushReply.FromString,
+                _registered_method=True)
+        self.Fetch = channel.unary_stream(
+                '/isthmus.v1.Shard/Fetch',
+                request_serializer=wire_dot_proto_dot_isthmus__pb2.FetchRequest.SerializeToString,
+                response_deserializer=wire_dot_proto_dot_isthmus__pb2.FetchMessage.FromString,
+                _registered_method=True)
+        self.Close = channel.unary_unary(
+                '/isthmus.v1.Shard/Close',
+                request_serializer=wire_dot_proto_dot_isthmus__pb2.ShardCloseRequest.SerializeToString,
+                response_deserializer=wire_dot_proto_dot_isthmus__pb2.ShardCloseReply.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/isthmus.v1.Shard/Status',
+                request_serializer=wire_dot_proto_dot_isthmus__pb2.ShardStatusRequest.SerializeToString,
+                response_deserializer=wire_dot_proto_dot_isthmus__pb2.ShardStatusReply.FromString,
+                _registered_method=True)
+
+
+class ShardServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Push(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fetch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Close(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ShardServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Push': grpc.stream_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=wire_dot_proto_dot_isthmus__pb2.PushMessage.FromString,
+                    response_serializer=wire_dot_proto_dot_isthmus__pb2.PushReply.SerializeToString,
+            ),
+            'Fetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=wire_dot_proto_dot_isthmus__pb2.FetchRequest.FromString,
+                    response_serializer=wire_dot_proto_dot_isthmus__pb2.FetchMessage.SerializeToString,
+            ),
+            'Close': grpc.unary_unary_rpc_method_handler(
+                    servicer.Close,
+                    request_deserializer=wire_dot_proto_dot_isthmus__pb2.ShardCloseRequest.FromString,
+                    response_serializer=wire_dot_proto_dot_isthmus__pb2.ShardCloseReply.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=wire_dot_proto_dot_isthmus__pb2.ShardStatusRequest.FromString,
+                    response_serializer=wire_dot_proto_dot_isthmus__pb2.ShardStatusReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'isthmus.v1.Shard', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('isthmus.v1.Shard', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Shard:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Push(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/isthmus.v1.Shard/Push',
+            wire_dot_proto_dot_isthmus__pb2.PushMessage.SerializeToString,
+            wire_dot_proto_dot_isthmus__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/isthmus.v1.Shard/Fetch',
+            wire_dot_proto_dot_isthmus__pb2.FetchRequest.SerializeToString,
+            wire_dot_proto_dot_isthmus__pb2.FetchMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Close(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Shard/Close',
+            wire_dot_proto_dot_isthmus__pb2.ShardCloseRequest.SerializeToString,
+            wire_dot_proto_dot_isthmus__pb2.ShardCloseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Shard/Status',
+            wire_dot_proto_dot_isthmus__pb2.ShardStatusRequest.SerializeToString,
+            wire_dot_proto_dot_isthmus__pb2.ShardStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,202 @@
+"""The gRPC face of a coordinator shard (service ``isthmus.v1.Shard``) and its server.
+
+Sites push parts and fetch theta parts with a site certificate, as from the coordinator; only
+the lead (a coordinator certificate) may close a round; status takes an operator's or the
+lead's. Every refusal is a gRPC status whose message names the problem, as the coordinator's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from concurrent import futures
+
+import grpc
+
+from coordinator.records import PushHeader, Refused
+from coordinator.service.auth import AuthError, Authorizer, RevocationList
+from coordinator.service.servicer import (
+    _refusals_to_status,
+    piece_reply,
+    received_ranges,
+    refuse_unknown_fields,
+)
+from coordinator.shards.part_store import FoldedPart
+from coordinator.shards.shard_core import ShardCore
+from wire.chunking import DEFAULT_CHUNK_BYTES
+from wire.identity import Bundle
+from wire.net.grpc_options import server_options
+from wire.proto import isthmus_pb2 as pb
+from wire.proto import isthmus_pb2_grpc as pb_grpc
+from wire.transfer import Piece, range_problem
+
+log = logging.getLogger("isthmus.shard")
+
+
+class RefusalCounts:
+    """What the shard refused, by method and status (``refused`` is what the coordinator's
+    refusal decorator reports to)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, str]] = Counter()
+
+    def refused(self, method: str, code: str) -> None:
+        self.counts[(method, code)] += 1
+
+
+class ShardServicer(pb_grpc.ShardServicer):
+    leader = ""  # a shard is not elected: its refusals name no leader
+
+    def __init__(self, core: ShardCore, authorizer: Authorizer) -> None:
+        self.core, self.authorizer = core, authorizer
+        self.metrics = RefusalCounts()
+        self.chunk_bytes = DEFAULT_CHUNK_BYTES
+
+    def _auth(self, context, roles: tuple[str, ...], claimed_site: str | None = None) -> None:
+        problem = None
+        for role in roles:
+            try:
+                self.authorizer.check(context.auth_context(), role, claimed_site)
+                return
+            except AuthError as exc:
+                problem = problem or exc
+        raise Refused(problem.code, str(problem))
+
+    @_refusals_to_status
+    def Push(self, request_iterator, context) -> pb.PushReply:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise Refused("invalid", "a push stream starts with a PushHeader")
+        h = first.header
+        self._auth(context, ("site",), h.lease.site)
+        refuse_unknown_fields(first)
+        piece = Piece(h.piece.offset, h.piece.length) if h.HasField("piece") else None
+        header = PushHeader(
+            h.lease.site, h.lease.token, h.round, h.upload_id, h.manifest, h.weight,
+            h.base_version, h.data_unit, piece, h.reserve,
+        )  # fmt: skip
+        upload = self.core.begin(header)
+        try:
+            for msg in request_iterator:
+                if msg.WhichOneof("kind") != "chunk" or h.reserve:
+                    raise Refused("invalid", "a push stream carries one header, then only chunks")
+                refuse_unknown_fields(msg)
+                self.core.write(upload, msg.chunk.offset, msg.chunk.data, piece)
+        finally:
+            if not h.reserve:  # a reservation is registered as no stream
+                self.core.uploads.release(upload, piece)
+        if piece is not None:
+            return piece_reply(upload, piece)
+        receipt = self.core.finish(upload)
+        if receipt is None:
+            return pb.PushReply(
+                acked_offset=upload.received,
+                received=received_ranges(upload),
+                message=f"{upload.received} of {upload.manifest.total_bytes} bytes received",
+            )
+        return pb.PushReply(
+            complete=True, acked_offset=upload.received, message="held", receipt=receipt
+        )
+
+    @_refusals_to_status
+    def Fetch(self, request: pb.FetchRequest, context):
+        self._auth(context, ("site", "coordinator"), None)
+        refuse_unknown_fields(request)
+        core = self.core
+        file, stored = core.file, core.stored  # one version for the whole stream
+        if request.HasField("from_version"):
+            raise Refused("invalid", "a shard serves whole parts of theta, not deltas")
+        if request.HasField("version") and request.version != stored.version:
+            raise Refused(
+                "not_found",
+                f"shard {core.spec.index} serves theta_{stored.version}, "
+                f"not theta_{request.version}",
+            )
+        total = file.manifest.total_bytes
+        start = request.offset
+        stop = start + request.length if request.HasField("length") else total
+        if problem := range_problem(start, stop - start, total):
+            raise Refused("invalid", f"fetch: {problem}")
+        header = pb.FetchHeader(version=stored.version, manifest=file.manifest.to_proto())
+        header.theta_hash = b""  # the lead's composed digest vouches for theta
+        yield pb.FetchMessage(header=header)
+        for offset in range(start, stop, self.chunk_bytes):
+            data = file.read(offset, min(self.chunk_bytes, stop - offset))
+            yield pb.FetchMessage(chunk=pb.Chunk(offset=offset, data=data))
+
+    @_refusals_to_status
+    def Close(self, request: pb.ShardCloseRequest, context) -> pb.ShardCloseReply:
+        self._auth(context, ("coordinator",))
+        refuse_unknown_fields(request)
+        parts = tuple(
+            FoldedPart(p.site, p.upload_id, bytes(p.digest), p.weight, p.alpha)
+            for p in request.parts
+        )
+        stored, replayed = self.core.close(request.round, parts, request.plan_digest)
+        return pb.ShardCloseReply(
+            version=stored.version,
+            replayed=replayed,
+            tensors=[
+                pb.TensorDigest(name=t.name, dtype=t.dtype, shape=list(t.shape), digest=t.digest)
+                for t in stored.tensors
+            ],
+        )
+
+    @_refusals_to_status
+    def Status(self, request: pb.ShardStatusRequest, context) -> pb.ShardStatusReply:
+        self._auth(context, ("operator", "coordinator"))
+        core, spec = self.core, self.core.spec
+        return pb.ShardStatusReply(
+            shard=spec.index,
+            shards=spec.plan.shards,
+            plan_digest=spec.plan.digest(),
+            version=core.version,
+            tensors=len(spec.names()),
+            bytes=spec.plan.bytes_of(spec.index),
+            parts_held=core.parts_held(),
+        )
+
+
+class ShardServer:
+    """A shard serving on ``listen`` (mutual TLS with ``bundle``; None: plaintext, tests)."""
+
+    def __init__(
+        self, core: ShardCore, listen: str, bundle: Bundle | None, crl=None, workers: int = 32
+    ) -> None:
+        self.core = core
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shard"),
+            options=server_options(0),
+        )
+        revocations = None
+        try:
+            if bundle is None:
+                port = self.server.add_insecure_port(listen)
+            else:
+                revocations = RevocationList(crl, bundle.ca)
+                creds = grpc.ssl_server_credentials(
+                    [(bundle.key, bundle.cert)],
+                    root_certificates=bundle.ca,
+                    require_client_auth=True,
+                )
+                port = self.server.add_secure_port(listen, creds)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise OSError(f"cannot listen on {listen} (address in use or not local?)")
+        self.address = f"{listen.rpartition(':')[0]}:{port}"
+        self.servicer = ShardServicer(core, Authorizer(revocations))
+        pb_grpc.add_ShardServicer_to_server(self.servicer, self.server)
+
+    def start(self) -> None:
+        self.server.start()
+        log.info(
+            "shard %d of %d serving theta_%d on %s",
+            self.core.spec.index,
+            self.core.spec.plan.shards,
+            self.core.version,
+            self.address,
+        )
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.server.stop(grace).wait()

@@ -1,0 +1,164 @@
+"""Coordinator shards as real processes (``coordinator shard``) over mutual TLS, a site's and
+the lead's stubs to them, and the one-process coordinator that gives the theta they must match."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from core_helpers import Clock, core_config, push
+
+from coordinator.core import CoordinatorCore
+from coordinator.model_source import initial_theta
+from coordinator.shards.receipts import KEY_FILE, create_key
+from wire.identity import Bundle, init_ca, issue
+from wire.net.channel import open_channel
+from wire.proto import isthmus_pb2_grpc as pb_grpc
+from wire.shard_plan import ShardPlan, plan_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+SITES = ("site-a", "site-b")
+MODEL = {
+    "factory": "torch.nn:TransformerEncoderLayer",
+    "kwargs": {"d_model": 16, "nhead": 2, "dim_feedforward": 24},
+    "seed": 3,
+}
+STRATEGY = {"name": "diloco", "lr": 0.7, "momentum": 0.9}
+
+
+def make_pki(root: Path) -> Path:
+    ca = init_ca(root / "ca", "shard-test")
+    issue(ca, "coordinator", "shards", root / "shards", hosts=("127.0.0.1", "localhost"))
+    issue(ca, "coordinator", "lead", root / "lead", hosts=("127.0.0.1",))
+    for site in SITES:
+        issue(ca, "site", site, root / site)
+    issue(ca, "operator", "ops", root / "ops")
+    return root
+
+
+def job_toml(state_dir: Path, **extra: str) -> str:
+    lines = [
+        f'[job]\nname = "shards"\nstate_dir = "{state_dir}"',
+        f'[model]\nfactory = "{MODEL["factory"]}"\nseed = {MODEL["seed"]}',
+        "[model.kwargs]\n" + "\n".join(f"{k} = {v}" for k, v in MODEL["kwargs"].items()),
+        '[strategy]\nname = "diloco"\nlr = 0.7\nmomentum = 0.9',
+        "[rounds]\ntotal = 4\ninner_steps = 1\nmin_sites = 2",
+    ]
+    lines += [f"{table}\n{body}" for table, body in extra.items()]
+    return "\n\n".join(lines) + "\n"
+
+
+@dataclass
+class ShardProc:
+    index: int
+    shards: int
+    config: Path
+    folder: Path
+    tls: Path
+    key: Path
+    address: str = ""
+    proc: subprocess.Popen | None = None
+    log: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log = self.folder.with_suffix(".log")
+
+    def start(self, timeout: float = 60.0) -> ShardProc:
+        (self.folder / "address").unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "shard", "--config", str(self.config)]
+            + ["--index", str(self.index), "--shards", str(self.shards)]
+            + ["--listen", self.address or "127.0.0.1:0", "--state-dir", str(self.folder)]
+            + ["--key", str(self.key), "--tls-dir", str(self.tls)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=open(self.log, "ab"),  # noqa: SIM115 - the process holds it
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while not (self.folder / "address").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"shard {self.index} did not start:\n{self.log.read_text()}")
+            time.sleep(0.05)
+        self.address = (self.folder / "address").read_text().strip()
+        return self
+
+    def kill(self) -> None:
+        """kill -9, as a host that fails."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_shards(tmp: Path, pki: Path, k: int) -> list[ShardProc]:
+    state = tmp / "lead"
+    config = tmp / "job.toml"
+    config.write_text(job_toml(state))
+    create_key(state / KEY_FILE)
+    shards = [
+        ShardProc(i, k, config, tmp / f"shard-{i}", pki / "shards", state / KEY_FILE)
+        for i in range(k)
+    ]
+    for s in shards:  # one after another: each imports torch (in parallel on 2 cores: slower)
+        s.start()
+    return shards
+
+
+def stub(address: str, pki: Path, who: str) -> pb_grpc.ShardStub:
+    return pb_grpc.ShardStub(open_channel(address, Bundle.load(pki / who)))
+
+
+def theta_0() -> dict[str, torch.Tensor]:
+    return initial_theta(core_config(Path("/nonexistent"), model=MODEL).model)
+
+
+def plan_of(k: int) -> ShardPlan:
+    theta = theta_0()
+    return plan_shards({n: t.numel() * t.element_size() for n, t in theta.items()}, k)
+
+
+def delta(like: dict[str, torch.Tensor], site: str, round_number: int) -> dict[str, torch.Tensor]:
+    """A site's update for a round: reproducible, different per site and round."""
+    g = torch.Generator().manual_seed(sum(site.encode()) * 1000 + round_number)
+    return {
+        n: torch.randn(t.shape, generator=g, dtype=torch.float32) * 0.01
+        for n, t in sorted(like.items())
+        if t.is_floating_point()
+    }
+
+
+class OneProcess:
+    """The one-process coordinator (K = 1 of today's code) given the same updates."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.clock = Clock()
+        cfg = core_config(tmp, model=MODEL, strategy=STRATEGY, rounds={"max_sites": 2})
+        self.core = CoordinatorCore(cfg, clock=self.clock)
+        self.tokens = {s: self.core.join(s)[0].token for s in SITES}
+        self.clock.now += 1.0
+        self.core.tick()
+
+    def round(self, r: int, deltas: dict[str, dict[str, torch.Tensor]]) -> bytes:
+        self.clock.now += 1.0
+        self.core.tick()  # round r opens (the sites are in its quorum)
+        for site in SITES:
+            push(self.core, site, self.tokens[site], r, deltas[site])
+        assert self.core.tick() and self.core.round.number == r + 1
+        return self.core.published.theta_hash
+
+    def close(self) -> None:
+        self.core.writer.wait()
+        self.core.events.close()
