@@ -4,6 +4,7 @@
 
     python -m bench.scale [--sites 2,4,8,16] [--sizes 64,256] [--rounds 2] [--uploads auto,8]
         [--keep DIR]
+    python -m bench.scale --shards 1,2,4 [--sites 4] [--sizes 256]
 
 For each model size (MiB of float32 parameters: a residual Linear stack) and number of sites, a
 real ``coordinator serve`` runs a DiLoCo job (outer momentum: one more model of state) whose
@@ -16,6 +17,12 @@ matters here. ``--uploads`` lists ``server.concurrent_uploads`` settings to run 
 (the first setting unsuffixed)::
 
     coord_rss_over_model_max=... rss_growth_2_to_16=... coord_rss_over_model_max_u8=... ...
+
+With ``--shards`` the same job runs with ``[shards] count = K`` for each K (the coordinator
+starts K - 1 shard processes itself), and every process's peak RSS is measured: the lead's and
+each shard's, over the model's size. Last line::
+
+    shard_rss_over_model_max_k1=... shard_rss_over_model_max_k2=... ... k4_over_k1=...
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import argparse
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from bench.progress import steps
@@ -50,7 +58,10 @@ def _client_loop(address: str, name: str, rounds: int, payload, errors: list) ->
         client.close()
 
 
-def run(folder: Path, mib: int, sites: int, rounds: int, uploads: str = "auto") -> int:
+def run(
+    folder: Path, mib: int, sites: int, rounds: int, uploads: str = "auto", shards: int = 1
+) -> dict[str, int]:
+    """The job's processes' peak RSS, by name (``coordinator``, ``shard-1``, ...)."""
     import subprocess
     import sys
 
@@ -70,6 +81,8 @@ def run(folder: Path, mib: int, sites: int, rounds: int, uploads: str = "auto") 
         text = text.replace(
             'listen = "127.0.0.1:0"', f'listen = "127.0.0.1:0"\nconcurrent_uploads = {uploads}'
         )
+    if shards > 1:
+        text += f"\n[shards]\ncount = {shards}\n"
     (folder / "job.toml").write_text(text)
     log = open(folder / "coordinator.log", "w")  # noqa: SIM115 - the child's
     cmd = [
@@ -82,8 +95,12 @@ def run(folder: Path, mib: int, sites: int, rounds: int, uploads: str = "auto") 
     ]
     coord = subprocess.Popen([*cmd, "--insecure"], cwd=REPO, env=_env(), stdout=log, stderr=log)
     peak, done = watch_peak_rss(coord)
+    peaks = {"coordinator": peak}
     try:
         address = _wait_address(folder / "state" / "address", coord)
+        for i in range(1, shards):  # started by the coordinator before it listens
+            lock = folder / "state" / "shards" / str(i) / "lock"
+            peaks[f"shard-{i}"] = _watch_pid(int(lock.read_text().split()[1]), done)
         like = residual_stack(width, depth).state_dict()
         delta = {n: torch.full_like(t, 1e-3) for n, t in like.items()}
         payload = payload_of(*pack(delta))  # one buffer, pushed by every client
@@ -104,7 +121,22 @@ def run(folder: Path, mib: int, sites: int, rounds: int, uploads: str = "auto") 
         if coord.poll() is None:
             coord.kill()
         log.close()
-    return peak[0]
+    return {name: p[0] for name, p in peaks.items()}
+
+
+def _watch_pid(pid: int, stop: threading.Event) -> list[int]:
+    """Track the peak RSS (``VmHWM``) of process ``pid`` (not our child) while it lives."""
+    from bench.sync_run import _peak_rss
+
+    peak = [0]
+
+    def watch() -> None:
+        while not stop.is_set() and Path(f"/proc/{pid}").exists():
+            peak[0] = max(peak[0], _peak_rss(pid))
+            time.sleep(0.1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return peak
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,9 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         "--uploads", default="auto,8", help="server.concurrent_uploads settings (auto: unset)"
     )
     p.add_argument("--keep", type=Path, help="keep the runs' folders here")
+    p.add_argument("--shards", help="coordinator shard counts to compare, e.g. 1,2,4")
     args = p.parse_args(argv)
     root = args.keep or Path(tempfile.mkdtemp(prefix="isthmus-scale-"))
     baseline = import_baseline_rss()
+    if args.shards:
+        return _by_shards(args, root, baseline)
     counts = [int(x) for x in args.sites.split(",")]
     settings = args.uploads.split(",")
     table: dict[tuple[str, int], dict[int, float]] = {}
@@ -126,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     for u, mib, n in steps(runs, lambda r: f"concurrent_uploads {r[0]}: {r[1]} MiB, {r[2]} sites"):
         width, depth = WIDTHS[mib]
         model_bytes = depth * (width * width + width) * 4
-        peak = run(root / f"u{u}-{mib}mib-{n}", mib, n, args.rounds, u)
+        peak = run(root / f"u{u}-{mib}mib-{n}", mib, n, args.rounds, u)["coordinator"]
         if not args.keep:  # its state and spool: gigabytes at 256 MiB and 16 sites
             shutil.rmtree(root / f"u{u}-{mib}mib-{n}", ignore_errors=True)
         table.setdefault((u, mib), {})[n] = (peak - baseline) / model_bytes
@@ -145,6 +180,34 @@ def main(argv: list[str] | None = None) -> int:
             f"coord_rss_over_model_max{tag}={worst:.2f}",
             f"rss_growth_{counts[0]}_to_{counts[-1]}{tag}={growth:.2f}",
         ]
+    print(" ".join(figures))
+    return 0
+
+
+def _by_shards(args, root: Path, baseline: int) -> int:
+    """Each process's peak RSS over the model's size, for each shard count."""
+    counts = [int(k) for k in args.shards.split(",")]
+    sites = int(args.sites.split(",")[0])
+    runs = [(int(x), k) for x in args.sizes.split(",") for k in counts]
+    worst: dict[int, float] = {}
+    print(f"peak RSS above the import baseline ({baseline / 1e6:.0f} MB) over the float32 model")
+    print(f"size, {sites} sites, {args.rounds} rounds; coordinator = the lead (holds shard 0):")
+    for mib, k in steps(runs, lambda r: f"{r[0]} MiB, {r[1]} shard(s)"):
+        width, depth = WIDTHS[mib]
+        model_bytes = depth * (width * width + width) * 4
+        folder = root / f"{mib}mib-k{k}"
+        peaks = run(folder, mib, sites, args.rounds, "auto", k)
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+        ratios = {name: (p - baseline) / model_bytes for name, p in peaks.items()}
+        worst[k] = max(worst.get(k, 0.0), max(ratios.values()))
+        row = "  ".join(f"{name} {r:.2f}x" for name, r in ratios.items())
+        print(f"{mib:>4} MiB  K = {k}:  {row}")
+    figures = [f"shard_rss_over_model_max_k{k}={v:.2f}" for k, v in worst.items()]
+    if len(counts) > 1:
+        figures.append(
+            f"k{counts[-1]}_over_k{counts[0]}={worst[counts[-1]] / worst[counts[0]]:.2f}"
+        )
     print(" ".join(figures))
     return 0
 

@@ -83,6 +83,9 @@ Example::
 
     [transfer]               # optional: large transfers over parallel streams
     streams = 4              # 1..8 (1, the default: one stream per transfer)
+
+    [shards]                 # optional: the model's tensors over K processes or hosts
+    count = 2                # (coordinator.shards.config)
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ from coordinator.model_source import ModelConfig
 from coordinator.observe.evaluation import EvaluationConfig, needs_factory
 from coordinator.overrides import apply_overrides
 from coordinator.round.rules import RoundsConfig
+from coordinator.shards.config import ShardsConfig
 from strategies.robust import AggregationConfig
 from wire.codecs.rules import CodecConfigError, CompressionConfig, compression_tables
 from wire.config_table import (
@@ -158,6 +162,7 @@ SECTIONS = (
     "health",
     "storage",
     "transfer",
+    "shards",
 )
 DATA_MODES = ("federated", "shared")
 
@@ -304,6 +309,8 @@ class JobConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     # How many streams one large fetch (or push) may take at once; the call limits follow it.
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    # How many processes (or hosts) hold the model's tensors (1: this one).
+    shards: ShardsConfig = field(default_factory=ShardsConfig)
 
     @property
     def outer_inner_steps(self) -> int:
@@ -369,6 +376,7 @@ def parse_config(data: dict[str, Any], base_dir: Path, source: bytes = b"") -> J
         health_from_job(data),
         load_table(StorageConfig, data.get("storage", {}), "storage"),
         transfer_from_job(data),
+        load_table(ShardsConfig, data.get("shards", {}), "shards"),
     )
 
 

@@ -27,6 +27,7 @@ from coordinator.members.failure_detector import TimeoutsConfig
 from coordinator.model_source import ModelConfig
 from coordinator.observe.evaluation import EvaluationConfig
 from coordinator.round.rules import RoundsConfig
+from coordinator.shards.config import ShardsConfig
 from strategies.loader import BUILTINS
 from strategies.robust import AggregationConfig
 from wire.codecs.base import Codec
@@ -134,6 +135,12 @@ TABLES: tuple[Table, ...] = (
         "transfer",
         TransferConfig,
         "Parallel streams for large fetches and pushes (both sides read it).",
+    ),
+    Table(
+        "shards",
+        ShardsConfig,
+        "Optional: the model's tensors split over K coordinator shards (processes or hosts); "
+        "the coordinator is the lead and holds shard 0. Without the table, one process.",
     ),
 )
 

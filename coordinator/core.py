@@ -58,6 +58,7 @@ from coordinator.round.round_tensors import RoundTensors
 from coordinator.round.spare_buffer import SpareBuffer
 from coordinator.service import heap
 from coordinator.service.send_slots import SendSlots
+from coordinator.shards.lead import LeadShards
 from strategies import RobustAggregator, load_strategy
 from wire.codecs.adaptive import overlap_of
 from wire.health import Probe
@@ -71,10 +72,16 @@ INFO_DEFAULTS = {"update_wanted": False}  # an older agent's RoundInfo does not 
 
 class CoordinatorCore:
     def __init__(
-        self, cfg: JobConfig, clock: Callable[[], float] = time.monotonic, term: Term | None = None
+        self,
+        cfg: JobConfig,
+        clock: Callable[[], float] = time.monotonic,
+        term: Term | None = None,
+        shards: LeadShards | None = None,
     ) -> None:
-        """``term``: this coordinator was elected through etcd (``coordinator.ha.role``)."""
-        self.cfg, self.clock, self.term = cfg, clock, term
+        """``term``: this coordinator was elected through etcd (``coordinator.ha.role``);
+        ``shards``: the other shards of a job split over several (``[shards]``), whose lead
+        this coordinator is."""
+        self.cfg, self.clock, self.term, self.shards = cfg, clock, term, shards
         if cfg.evaluation is not None:  # a hook that cannot load is refused before any state
             load_hook(cfg.evaluation.fn)
         self.lock = threading.RLock()
@@ -195,6 +202,7 @@ class CoordinatorCore:
             self.theta_files,
             self.evaluator,
             self.tensors,
+            self.shards,
         )
 
     def _start_evaluator(self) -> Evaluator | None:
@@ -274,6 +282,8 @@ class CoordinatorCore:
         self.sink.flush()
         self._ship_events()
         self.events.close()
+        if self.shards is not None:
+            self.shards.close_channels()
 
     def _ship_events(self) -> None:
         ship = getattr(self.store, "ship_events_now", None)
@@ -506,9 +516,14 @@ class CoordinatorCore:
         check_name("upload_id", header.upload_id)
         if not (math.isfinite(header.weight) and 0 < header.weight <= 1e15):
             raise Refused("invalid", f"weight must be a finite number > 0, got {header.weight}")
+        if self.shards is not None:  # the other parts are held by their shards, and receipted
+            self.shards.check_push(header)
+            self.shards.refuse_foreign([t.name for t in header.manifest.tensors])
         with self._locked():
             admission = self.counter.admit(header, self.clock())
-        return self.intake.open(header, admission)
+        upload = self.intake.open(header, admission)
+        upload.shard_digests = header.shard_digests
+        return upload
 
     def upload_chunk(
         self, upload: Upload, offset: int, data: bytes, token: int = 0, piece: Piece | None = None

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from coordinator.import_path import nearest_holding
 from wire.config_table import ConfigError, non_empty, setting
+from wire.safetensors_io import read_header
 
 
 class FactoryImportError(ConfigError):
@@ -93,18 +95,44 @@ class ModelConfig:
             )
 
 
-def initial_theta(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Build theta_0 (every parameter and buffer, by state-dict name)."""
+def initial_theta(
+    cfg: ModelConfig, names: Collection[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Build theta_0 (every parameter and buffer, by state-dict name); only ``names`` when
+    given (a coordinator shard's): read alone from ``model.path``, kept alone from the
+    factory's model."""
     if cfg.path is not None:
-        if not cfg.path.is_file():
-            raise ConfigError(f"model.path: no such file {cfg.path}")
+        _check_path(cfg.path)
         try:
-            return dict(load_file(str(cfg.path)))
+            with safe_open(str(cfg.path), framework="pt") as f:
+                stored = list(f.keys())
+                keep = stored if names is None else [n for n in stored if n in names]
+                return {n: f.get_tensor(n) for n in keep}
         except Exception as exc:
             raise ConfigError(f"model.path: {cfg.path} is not a safetensors file: {exc}") from exc
     model = build_module(cfg)
     # No copy: the module goes once the caller has laid theta out in its buffer.
-    return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    keep = state if names is None else [n for n in state if n in names]
+    return {k: state[k].detach().to("cpu").contiguous() for k in keep}
+
+
+def tensor_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """Each tensor's bytes in theta_0 (what the shard plan deals): from ``model.path``'s header
+    alone, without reading the tensors."""
+    if cfg.path is None:
+        return {n: t.numel() * t.element_size() for n, t in initial_theta(cfg).items()}
+    _check_path(cfg.path)
+    try:
+        manifest, _, _ = read_header(cfg.path)
+    except Exception as exc:
+        raise ConfigError(f"model.path: {cfg.path} is not a safetensors file: {exc}") from exc
+    return {e.name: e.nbytes for e in manifest.entries}
+
+
+def _check_path(path: Path) -> None:
+    if not path.is_file():
+        raise ConfigError(f"model.path: no such file {path}")
 
 
 def build_module(cfg: ModelConfig) -> torch.nn.Module:

@@ -97,6 +97,9 @@ class PushHeader:
     data_unit: str = ""
     piece: Piece | None = None  # the bytes this stream carries (None: the whole payload)
     reserve: bool = False  # a header-only reservation: it carries no bytes
+    # A sharded job's: each shard's part digest and receipt (``coordinator.shards.lead``).
+    shard_digests: tuple[bytes, ...] = ()
+    shard_receipts: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)

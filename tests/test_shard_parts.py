@@ -10,7 +10,7 @@ import pytest
 import torch
 from core_helpers import core_config
 
-from coordinator.cli.shard import check_shard_config
+from coordinator.shards.config import unsupported
 from coordinator.shards.part_store import FoldedPart, PartStore, TensorRecord
 from coordinator.shards.receipts import (
     KEY_BYTES,
@@ -91,19 +91,41 @@ def test_the_part_store_keeps_the_two_newest_whole_versions(tmp_path):
         ({"aggregation": {"clip_norm": 1.0}}, "clipping"),
         ({"aggregation": {"outlier_zscore": 3.0}}, "outlier_zscore"),
         ({"streaming": {"fragments": 2}, "rounds": {"inner_steps": 4}}, "[streaming]"),
+        ({"compression": {"downlink": {"default": "int8"}}}, "[compression.downlink]"),
+        ({"data": {"mode": "shared"}}, "shared"),
     ],
 )
 def test_what_shards_cannot_do_yet_is_refused_by_name(tmp_path, sections, words):
     cfg = core_config(tmp_path, strategy={"name": "diloco"}, **sections)
-    with pytest.raises(ConfigError) as info:
-        check_shard_config(cfg, load_strategy("diloco", {}))
-    assert words in str(info.value)
+    problem = unsupported(cfg, load_strategy("diloco", {}))
+    assert problem is not None and words in problem and "count = 1" in problem
+    assert unsupported(core_config(tmp_path), load_strategy("diloco", {})) is None
+
+
+def test_late_updates_are_refused_with_shards(tmp_path):
+    cfg = core_config(tmp_path, strategy={"name": "diloco", "late_discount": 0.5})
+    assert "late_discount" in unsupported(cfg, load_strategy("diloco", {"late_discount": 0.5}))
 
 
 def test_a_strategy_that_takes_whole_updates_is_refused(tmp_path):
     cfg = core_config(tmp_path)
     strategy = load_strategy("fedavg", {})
     strategy.separable = False  # as a Flower strategy or a plugin without per-tensor steps
-    with pytest.raises(ConfigError, match="not separable per tensor"):
-        check_shard_config(cfg, strategy)
-    check_shard_config(cfg, load_strategy("fedavg", {}))  # the built-in is
+    assert "not separable per tensor" in unsupported(cfg, strategy)
+
+
+@pytest.mark.parametrize(
+    ("table", "words"),
+    [
+        ({"count": 0}, "shards.count"),
+        ({"count": 65}, "shards.count"),
+        ({"count": 3, "addresses": ["127.0.0.1:7071"]}, "1 addresses for 3 shards"),
+        ({"count": 2, "addresses": ["nohost"]}, "shards.addresses"),
+        ({"count": 2, "addresses": "127.0.0.1:7071"}, "shards.addresses"),
+        ({"count": 2, "replicas": 2}, "shards.replicas"),
+    ],
+)
+def test_a_bad_shards_table_is_refused_naming_the_key(tmp_path, table, words):
+    with pytest.raises(ConfigError) as info:
+        core_config(tmp_path, shards=table)
+    assert words in str(info.value)

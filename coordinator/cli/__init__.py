@@ -133,6 +133,7 @@ def _serve(args) -> int:
         CoordinatorServer,
         ServerTls,
     )
+    from coordinator.shards.local import ShardLaunch
     from strategies import StrategyError
 
     # Like `python -m`, make the working directory importable, so that model factories and
@@ -146,7 +147,15 @@ def _serve(args) -> int:
         return 0
     try:
         tls = ServerTls(bundle, Path(args.crl) if args.crl else None) if bundle else None
-        server = CoordinatorServer(cfg, args.listen, tls, ha)
+        launch = ShardLaunch(
+            Path(args.config).absolute(),
+            tuple(args.set),
+            Path(cfg.state_dir).absolute(),
+            "",
+            Path(args.tls_dir).absolute() if args.tls_dir else None,
+            Path(args.crl).absolute() if args.crl else None,
+        )
+        server = CoordinatorServer(cfg, args.listen, tls, ha, launch)
     except (StoreError, StrategyError) as exc:  # a wrong [strategy], state in use, damaged log
         raise StartError(str(exc)) from exc
     except FactoryImportError as exc:

@@ -138,7 +138,13 @@ class UpdateIntake:
         a = upload.admission
         try:
             spooled = self.spool.commit(
-                upload.round, upload.site, upload.upload_id, upload.manifest, weight, key=a.key
+                upload.round,
+                upload.site,
+                upload.upload_id,
+                upload.manifest,
+                weight,
+                key=a.key,
+                shard_digests=upload.shard_digests,
             )
         except SpoolError as exc:
             self.uploads.discard(upload)

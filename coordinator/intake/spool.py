@@ -72,6 +72,9 @@ class SpooledUpdate:
     weight: float
     path: Path
     manifest: Manifest
+    upload_id: str = ""
+    # A sharded job's: the digest of the update's part on each shard (``coordinator.shards``).
+    shard_digests: tuple[bytes, ...] = ()
 
     @property
     def site(self) -> str:
@@ -182,6 +185,7 @@ class UpdateSpool:
         manifest: Manifest,
         weight: float,
         key: UpdateKey | None = None,
+        shard_digests: tuple[bytes, ...] = (),
     ) -> SpooledUpdate:
         """Make a verified upload durable as the round's update ``key`` (default: the site's
         own). Slow for a large update (an fsync): never call it holding the coordinator's lock."""
@@ -206,13 +210,15 @@ class UpdateSpool:
         }
         if manifest.parts:
             meta["parts"] = [[p.offset, p.length, p.digest.hex()] for p in manifest.parts]
+        if shard_digests:
+            meta["shard_digests"] = [d.hex() for d in shard_digests]
         # The record first: it is what needs disk space, and a failure then leaves the
         # .part file as it was, for the retry. A record without its .update is not counted.
         write_atomic(d / f"{key.label}.json", json.dumps(meta).encode())
         os.replace(part, final)
         part.with_suffix(".ranges").unlink(missing_ok=True)  # the bytes are all in
         fsync_dir(d)
-        return SpooledUpdate(key, weight, final, manifest)
+        return SpooledUpdate(key, weight, final, manifest, upload_id, tuple(shard_digests))
 
     def completed(self, round_number: int) -> list[SpooledUpdate]:
         """Updates of a round that were committed (e.g. before a crash), as their records say:
@@ -237,10 +243,13 @@ class UpdateSpool:
                     meta.get("parts", ()),
                 )
                 weight = float(meta["weight"])
+                upload_id = str(meta.get("upload_id", ""))
+                shards = tuple(bytes.fromhex(h) for h in meta.get("shard_digests", ()))
             except (ValueError, KeyError, TypeError, AttributeError):
                 unreadable.append(meta_path.stem)
                 continue
-            out.append(SpooledUpdate(key, weight, d / f"{key.label}.update", manifest))
+            path = d / f"{key.label}.update"
+            out.append(SpooledUpdate(key, weight, path, manifest, upload_id, shards))
         return out, unreadable
 
     def set_aside(self, round_number: int, label: str) -> Path:

@@ -128,6 +128,7 @@ class Upload:
         # The ranges being received now, one per stream (None: a stream of the whole payload).
         self.streams: list[Piece | None] = []
         self.admission = None  # what it counts as once complete (``coordinator.records``)
+        self.shard_digests: tuple[bytes, ...] = ()  # a sharded job's other parts' digests
         # Being verified and committed by one request: a second (a retried reservation, a
         # stream's end next to another host's reservation) must wait, never verify again.
         self.finishing = False

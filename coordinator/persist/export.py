@@ -19,12 +19,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from coordinator.model_source import ModelConfig
 from coordinator.persist.local_store import CheckpointStore, StoreError, write_atomic
+from wire.digest import state_digest
 from wire.safetensors_io import copy_data, header_bytes, read_header, write_tensors
 
 MODEL_CARD = "model.json"
@@ -88,10 +89,12 @@ def check_out(out: Path) -> str | None:
 
 
 def export_model(
-    state_dir: Path, out: Path, round_number: int | None = None, store=None
+    state_dir: Path, out: Path, round_number: int | None = None, store=None, shards=None
 ) -> Exported:
     """Write theta of the checkpoint of ``round_number`` (default: the newest) to ``out``;
-    from ``store`` if given (an object store), else from the state folder's checkpoints.
+    from ``store`` if given (an object store), else from the state folder's checkpoints. With
+    ``shards`` (the lead's ``LeadShards``) the other shards' tensors of the theta they serve
+    (the same version: the job's last) are fetched and written with the lead's.
 
     Raises
     ------
@@ -111,10 +114,13 @@ def export_model(
     if ckpt is None:
         raise StoreError(f"{getattr(store, 'url', state_dir)} holds no checkpoints yet")
     saved = _read_json(Path(state_dir) / MODEL_CARD)
+    digest = ckpt.theta_hash
+    if shards is not None:
+        ckpt, digest = _with_shards(ckpt, shards)
     card = ModelCard(
         job=str(ckpt.meta.get("job", saved.get("job", ""))),
         round=ckpt.round,
-        theta_digest=ckpt.theta_hash.hex(),
+        theta_digest=digest.hex(),
         model=saved.get("model", {}),
     )
     out = Path(out)
@@ -128,6 +134,21 @@ def export_model(
         tmp.unlink(missing_ok=True)
         raise StoreError(f"cannot write {out}: {exc.strerror}") from exc
     return Exported(out, card_path_of(out), card)
+
+
+def _with_shards(ckpt, shards):
+    """The checkpoint with every shard's tensors, and whole theta's digest, checked against the
+    other shards' records the checkpoint holds."""
+    from coordinator.shards.lead import composed, records_from_json
+
+    whole = {**ckpt.theta, **shards.fetch_parts()}
+    digest = state_digest(whole)
+    if digest != composed(ckpt.theta, records_from_json(ckpt.meta.get("shard_tensors", []))):
+        raise StoreError(
+            f"the shards' tensors are not those of round {ckpt.round}'s checkpoint: a shard "
+            "serves another version"
+        )
+    return replace(ckpt, theta=whole, theta_file=None), digest
 
 
 def _write_model(path: Path, ckpt, metadata: dict[str, str]) -> None:

@@ -41,6 +41,7 @@ from coordinator.round.driver import CloseOrder
 from coordinator.round.publish import hash_theta, publication
 from coordinator.round.round_tensors import RoundTensors
 from coordinator.round.rules import next_round
+from coordinator.shards.lead import LeadShards, composed, records_to_json
 from coordinator.state import CoordinatorState
 from strategies import RobustAggregator, Strategy
 from strategies.base import (
@@ -79,6 +80,7 @@ class CloseParts:
     theta_files: ThetaFiles  # theta_r's file; theta_{r+1}'s is written once it is served
     evaluator: Evaluator | None = None  # ``[evaluation]``: given theta_{r+1} once in its file
     tensors: RoundTensors | None = None  # with ``[streaming]``: the fragment each round syncs
+    shards: LeadShards | None = None  # ``[shards]``: the other shards, which step with this one
 
 
 class ClosePipeline:
@@ -105,6 +107,10 @@ class ClosePipeline:
             self.p.theta_files.release()
             clock.lap("downlink_s")
             strategy_state = check_state(self.p.strategy, call_hook(self.p.strategy, "state_dict"))
+            shard_records = None
+            if self.p.shards is not None:  # every shard steps before theta_{r+1} is served
+                shard_records = self.p.shards.close(r, order.updates)
+                clock.lap("shards_s")
         except Exception as exc:
             with self.p.lock:
                 self.p.state.fatal = (
@@ -114,11 +120,13 @@ class ClosePipeline:
             log.exception("outer step failed; the last checkpoint is unchanged")
             raise FatalError(self.p.state.fatal) from exc
         self._note(r, outcome)
-        theta_hash, meta, nxt = self.publish(order, nxt, outcome, clock, rung)
+        theta_hash, meta, nxt = self.publish(order, nxt, outcome, clock, rung, shard_records)
         served = functools.partial(self._served_from_file, r + 1)
         written = self.p.theta_files.submit(r + 1, nxt, served)
         del nxt  # theta_{r+1}'s buffer goes once its file serves (the next sum needs the room)
-        self.checkpoint(order, written, theta_hash, strategy_state, meta)
+        # With shards theta_hash is the whole model's; the checkpoint records its own part's.
+        own_hash = theta_hash if shard_records is None else None
+        self.checkpoint(order, written, own_hash, strategy_state, meta)
         log.info(
             "round %d closed (%s): %d update(s), published theta_%d %s in %.2fs",
             r,
@@ -229,11 +237,18 @@ class ClosePipeline:
         release = current.release if current is not None and theta is current.theta else None
         return step_by_tensor(self.p.strategy, theta.tensors, agg, release)
 
-    def publish(self, order: CloseOrder, nxt: ThetaBuffer, outcome: Outcome, clock=None, rung=None):
+    def publish(
+        self, order: CloseOrder, nxt: ThetaBuffer, outcome: Outcome, clock=None, rung=None,
+        shard_records=None,
+    ):  # fmt: skip
         """Hash theta_{r+1}, make it the served theta and open the way to round r+1
-        (``rung``: an adaptive downlink's, for the event)."""
+        (``rung``: an adaptive downlink's, for the event; ``shard_records``: the other shards'
+        tensors, whose digests theta's is composed with)."""
         r = order.round.number
-        theta_hash = hash_theta(nxt)
+        if shard_records is None:
+            theta_hash = hash_theta(nxt)
+        else:
+            theta_hash = composed(nxt.tensors, shard_records)
         phases = clock.lap("hash_s") if clock is not None else {}
         closed = ClosedRound(r, frozenset(order.round.participants), order.keys, order.reason)
         with self.p.lock:
@@ -260,6 +275,8 @@ class ClosePipeline:
                 },
                 **self.p.data.meta(),
             }
+            if shard_records is not None:
+                meta["shard_tensors"] = records_to_json(shard_records)
             if self.p.events.last_closed_round != r:  # a replayed close logged before a crash
                 agg = outcome.aggregate
                 self.p.sink.post(
@@ -284,7 +301,7 @@ class ClosePipeline:
         self.p.uploads.drop_rounds_before(r + 1)
         return theta_hash, meta, nxt
 
-    def checkpoint(self, order, theta: Future, theta_hash: bytes, strategy_state, meta):
+    def checkpoint(self, order, theta: Future, theta_hash: bytes | None, strategy_state, meta):
         """Write round r+1's checkpoint in the background, linking theta's file (``theta``:
         the future of ``ThetaFiles.submit``) once it is written."""
         r = order.round.number

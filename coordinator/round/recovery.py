@@ -36,6 +36,7 @@ from coordinator.records import PinnedClose, UpdateKey, closed_round_of
 from coordinator.round.driver import CloseOrder
 from coordinator.round.publish import publication
 from coordinator.round.rules import RoundState
+from coordinator.shards.lead import composed, records_from_json, records_to_json
 from coordinator.state import CoordinatorState
 from strategies.base import call_hook
 from strategies.robust import norm_of
@@ -49,13 +50,20 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
     ckpt = core.store.load_latest()
     core.new_job = ckpt is None  # no leader ran before this one
     if ckpt is None:
-        initial = initial_theta(cfg.model)  # the model itself goes once its file is written
-        initial_hash = state_digest(initial)
+        meta = {"job": cfg.name, "events_seq": core.events.last_seq}
+        if core.shards is None:
+            initial = initial_theta(cfg.model)  # the model goes once its file is written
+            initial_hash = state_digest(initial)
+        else:  # the lead keeps shard 0's tensors; the other shards say what theirs are
+            initial = initial_theta(cfg.model, core.shards.plan.names(0))
+            others = core.shards.served_records(0)
+            meta["shard_tensors"] = records_to_json(others)
+            initial_hash = composed(initial, others)
         file = core.theta_files.start(0, initial)
         del initial
         theta = file.theta.tensors
-        meta = {"job": cfg.name, "events_seq": core.events.last_seq}
-        ckpt = Checkpoint(0, theta, {}, meta, {}, initial_hash, file.path)
+        own_hash = initial_hash if core.shards is None else None  # the store digests the part
+        ckpt = Checkpoint(0, theta, {}, meta, {}, own_hash, file.path)
         core.store.save(ckpt)
         log.info("new job %r: theta_0 has %d tensors", cfg.name, len(theta))
     elif ckpt.meta.get("job") != cfg.name:
@@ -83,6 +91,13 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
         )
     theta = file.theta
     theta_hash = ckpt.theta_hash
+    if core.shards is not None:
+        theta_hash = _sharded_hash(cfg, ckpt, theta.tensors)
+    elif "shard_tensors" in ckpt.meta:
+        raise StoreError(
+            f"the state in {cfg.state_dir} is split over coordinator shards: keep [shards] "
+            "count as the job started with"
+        )
     source = ThetaSource.of_file(file)
     state = CoordinatorState(
         round=RoundState(number=ckpt.round),
@@ -95,6 +110,16 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
     for key, reason in sorted(closed.get("rejected", {}).items()):
         state.rejections.append(f"round {closed['number']}: {key}: {reason}")
     return state, data, trainable_names(theta.tensors)
+
+
+def _sharded_hash(cfg, ckpt: Checkpoint, own) -> bytes:
+    """theta's digest from the lead's tensors and the other shards' records in the checkpoint."""
+    if "shard_tensors" not in ckpt.meta:
+        raise StoreError(
+            f"the state in {cfg.state_dir} is one coordinator's, not split over shards: it "
+            "cannot go on with [shards] count > 1"
+        )
+    return composed(own, records_from_json(ckpt.meta["shard_tensors"]))
 
 
 def resume(core) -> None:

@@ -35,6 +35,8 @@ from coordinator.service.job_end import (
 from coordinator.service.server_process import lock_state_dir
 from coordinator.service.servicer import CoordinatorServicer
 from coordinator.service.watchdog import CallWatchdog
+from coordinator.shards.local import ShardLaunch, open_shards
+from wire.config_table import ConfigError
 from wire.identity import Bundle
 from wire.net.grpc_options import server_options
 from wire.net.host_tuning import log_tcp_advice
@@ -61,9 +63,11 @@ class CoordinatorServer:
         listen: str | None = None,
         tls: ServerTls | None = None,
         ha: HaOptions | None = None,
+        shard_launch: ShardLaunch | None = None,
     ) -> None:
         """``tls=None`` serves plaintext without authentication (``--insecure``); ``ha``: stand
-        by until elected through etcd (``coordinator.ha.role``), then load the newest checkpoint."""
+        by until elected through etcd (``coordinator.ha.role``), then load the newest checkpoint;
+        ``shard_launch``: how to start shards 1..K-1 here (``[shards]`` without addresses)."""
         self.cfg = cfg
         self.tls = tls
         self.ha: HaRole | None = None
@@ -75,8 +79,17 @@ class CoordinatorServer:
         self.stop_event = threading.Event()
         return_freed_memory()
         self._lock = lock_state_dir(Path(cfg.state_dir))
+        self.shards, self.local_shards = None, None
         try:
             self._bind(cfg, listen)
+            if cfg.shards.count > 1:
+                if ha is not None:
+                    raise ConfigError("[shards] with --ha is not supported yet")
+                launch = shard_launch and replace(
+                    shard_launch, host=self.address.rpartition(":")[0]
+                )
+                bundle = tls.bundle if tls is not None else None
+                self.shards, self.local_shards = open_shards(cfg, bundle, launch)
             if ha is None:
                 self.server.add_generic_rpc_handlers(self._build(cfg))
             else:
@@ -86,6 +99,16 @@ class CoordinatorServer:
         except BaseException:
             self.close()
             raise
+
+    def _open_shards(self, cfg: JobConfig, ha, launch: ShardLaunch | None) -> None:
+        """Shards 1..K-1: started here (on this coordinator's host) or reached at their
+        addresses; the lead's channels to them use this coordinator's certificate."""
+        if ha is not None:
+            raise ConfigError("[shards] with --ha is not supported yet")
+        if launch is not None:
+            launch = replace(launch, host=self.address.rpartition(":")[0])
+        bundle = self.tls.bundle if self.tls is not None else None
+        self.shards, self.local_shards = open_shards(cfg, bundle, launch)
 
     def _bind(self, cfg: JobConfig, listen: str | None) -> None:
         # Every open call holds a worker thread (a push for its whole transfer, a WaitRound
@@ -121,7 +144,7 @@ class CoordinatorServer:
 
     def _build(self, cfg: JobConfig, term: Term | None = None) -> tuple:
         """The core (the state, from the newest checkpoint) and the handlers that serve it."""
-        self.core = CoordinatorCore(cfg, term=term)
+        self.core = CoordinatorCore(cfg, term=term, shards=self.shards)
         write_model_card(cfg.state_dir, cfg.name, cfg.model)  # what `coordinator export` reads
         self.metrics = CoordinatorMetrics(self.core.snapshot, self.core.slots, self.core.send_slots)
         self.core.sink.observers.append(self.metrics.event)
@@ -223,7 +246,9 @@ class CoordinatorServer:
         try:
             self.core.writer.wait()
             out.parent.mkdir(exist_ok=True)
-            self.final = export_model(self.cfg.state_dir, out, rounds, self.core.store)
+            self.final = export_model(
+                self.cfg.state_dir, out, rounds, self.core.store, self.core.shards
+            )
         except (StoreError, OSError) as exc:
             log.error("the final model was not written: %s", exc)
             self.exit_code = 3
@@ -255,7 +280,11 @@ class CoordinatorServer:
         return True
 
     def close(self) -> None:
-        """Let go of the state folder (``run`` does this when it returns)."""
+        """Let go of the state folder (``run`` does this when it returns) and stop the shard
+        processes it started."""
+        if self.local_shards is not None:
+            self.local_shards.stop()
+            self.local_shards = None
         if not self._lock.closed:
             self._lock.close()
 

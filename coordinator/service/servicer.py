@@ -190,6 +190,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             job_name=self.core.cfg.name,
             job_config=self.core.cfg.source_toml,
             heartbeat_interval_s=self.core.cfg.timeouts.heartbeat_interval_s,
+            shards=self.core.shards.shard_map() if self.core.shards is not None else None,
         )
 
     @_refusals_to_status
@@ -357,6 +358,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 data_unit=h.data_unit,
                 piece=piece,
                 reserve=h.reserve,
+                shard_digests=tuple(h.shard_digests),
+                shard_receipts=tuple(h.shard_receipts),
             )
         )
         if h.reserve:  # registered as no stream of the upload: nothing to release

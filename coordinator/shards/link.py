@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from coordinator.shards.part_store import TensorRecord
 from coordinator.shards.receipts import PartReceipt, valid
 from wire.digest import compose
 from wire.proto import isthmus_pb2 as pb
@@ -45,6 +46,11 @@ class CountedUpdate:
     weight: float
     alpha: float
     digests: tuple[bytes, ...]
+
+
+def records_from_pb(items) -> list[TensorRecord]:
+    """``TensorDigest`` messages as records."""
+    return [TensorRecord(t.name, t.dtype, tuple(t.shape), bytes(t.digest)) for t in items]
 
 
 def split_update(tensors: Mapping[str, torch.Tensor], plan: ShardPlan) -> list[Part]:
@@ -138,6 +144,13 @@ class ShardLead:
     def close(self, round_number: int, updates: Sequence[CountedUpdate]) -> tuple[int, bytes]:
         """Close ``round_number`` on every shard at once; the version now served and theta's
         composed state digest. Raises the first shard's ``grpc.RpcError``."""
+        records = self.close_records(round_number, updates)
+        return round_number + 1, compose([r.as_tuple() for r in records])
+
+    def close_records(
+        self, round_number: int, updates: Sequence[CountedUpdate], first: int = 0
+    ) -> list[TensorRecord]:
+        """Close ``round_number`` on shards ``first``..K-1 at once; their tensors' records."""
 
         def one(i: int) -> pb.ShardCloseReply:
             request = pb.ShardCloseRequest(
@@ -156,16 +169,12 @@ class ShardLead:
             )
             return self.stubs[i].Close(request, timeout=CLOSE_TIMEOUT_S)
 
-        replies = list(self._pool.map(one, range(self.plan.shards)))
+        replies = list(self._pool.map(one, range(first, self.plan.shards)))
         versions = {r.version for r in replies}
-        if versions != {round_number + 1}:
-            raise RuntimeError(
-                f"shards answered versions {sorted(versions)}, not {round_number + 1}"
-            )
-        records = [
-            (t.name, t.dtype, tuple(t.shape), bytes(t.digest)) for r in replies for t in r.tensors
-        ]
-        return round_number + 1, compose(records)
+        if versions - {round_number + 1}:
+            want = round_number + 1
+            raise RuntimeError(f"shards answered versions {sorted(versions)}, not {want}")
+        return [record for r in replies for record in records_from_pb(r.tensors)]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False)

@@ -33,6 +33,13 @@ from wire.transfer import Piece, range_problem
 log = logging.getLogger("isthmus.shard")
 
 
+def digests_pb(records) -> list[pb.TensorDigest]:
+    return [
+        pb.TensorDigest(name=t.name, dtype=t.dtype, shape=list(t.shape), digest=t.digest)
+        for t in records
+    ]
+
+
 class RefusalCounts:
     """What the shard refused, by method and status (``refused`` is what the coordinator's
     refusal decorator reports to)."""
@@ -134,12 +141,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         )
         stored, replayed = self.core.close(request.round, parts, request.plan_digest)
         return pb.ShardCloseReply(
-            version=stored.version,
-            replayed=replayed,
-            tensors=[
-                pb.TensorDigest(name=t.name, dtype=t.dtype, shape=list(t.shape), digest=t.digest)
-                for t in stored.tensors
-            ],
+            version=stored.version, replayed=replayed, tensors=digests_pb(stored.tensors)
         )
 
     @_refusals_to_status
@@ -154,6 +156,7 @@ class ShardServicer(pb_grpc.ShardServicer):
             tensors=len(spec.names()),
             bytes=spec.plan.bytes_of(spec.index),
             parts_held=core.parts_held(),
+            digests=digests_pb(core.stored.tensors),
         )
 
 

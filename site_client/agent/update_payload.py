@@ -54,6 +54,10 @@ class UpdatePayload:
             end = min(offset + chunk_bytes, total)
             yield offset, self._read(offset, end)
 
+    def view(self, start: int, end: int) -> memoryview:
+        """The payload bytes ``[start, end)``: a view where they lie in one segment."""
+        return self._read(start, end)
+
     def _read(self, start: int, end: int) -> memoryview:
         parts, pos = [], start
         for seg_start, seg in self.segments:

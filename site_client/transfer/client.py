@@ -27,7 +27,8 @@ from site_client.agent.update_payload import UpdatePayload, payload_of
 from site_client.errors import CoordinatorError, PushAborted, TlsRefused
 from site_client.transfer.endpoints import FollowingStub, StreamChannels, UploadConnection
 from site_client.transfer.node import SitePart
-from site_client.transfer.push import UpdatePush, lost_race
+from site_client.transfer.push import UpdatePush, lost_race, new_upload_id
+from site_client.transfer.sharded import ShardRoutes
 from site_client.transfer.theta import GlobalState, ThetaFetcher
 from wire.backoff import BackoffPolicy, retry
 from wire.bulk import BulkStub
@@ -102,6 +103,8 @@ class CoordinatorClient:
         self.transfer = TransferConfig()
         self._join_lock = threading.Lock()
         self.theta = ThetaFetcher(self)
+        # A job split over coordinator shards (``JoinReply.shards``): the site's routes to them.
+        self.shards: ShardRoutes | None = None
 
     def _use(self, address: str) -> None:
         """Send every call to ``address`` from now on. Its channels are opened once and kept
@@ -277,10 +280,20 @@ class CoordinatorClient:
         )
         self.lease, self.join_reply = reply.lease, reply
         self.transfer = transfer_from_toml(reply.job_config)
+        self._route_shards(reply)
         log.info(
             "joined as %s (token %d) at round %d", self.site, reply.lease.token, reply.round.round
         )
         return reply
+
+    def _route_shards(self, reply: pb.JoinReply) -> None:
+        """Routes to the shards a join names (kept while the map stays the same)."""
+        if len(reply.shards.addresses) < 2:
+            self.shards = None
+        elif self.shards is None or self.shards.addresses != list(reply.shards.addresses):
+            own = lambda a: open_channel(a, self.tls, own_connection=True)  # noqa: E731
+            self.shards = ShardRoutes(self, reply.shards, own)
+        self.theta.sharded = self.shards is not None
 
     def join(self) -> pb.JoinReply:
         self.left = False
@@ -331,7 +344,10 @@ class CoordinatorClient:
         self, version: int | None = None, held: GlobalState | None = None, dest: Path | None = None
     ) -> GlobalState:
         """theta (the current version, or ``version``), whole or as the delta from ``held``;
-        into a safetensors file at ``dest`` if given (see ``site_client.transfer.theta``)."""
+        into a safetensors file at ``dest`` if given (see ``site_client.transfer.theta``);
+        from every shard of a sharded job (``site_client.transfer.sharded``)."""
+        if self.shards is not None:
+            return self.shards.fetch(version, dest)
         return self.theta.fetch(version, held, dest)
 
     def push(
@@ -374,6 +390,12 @@ class CoordinatorClient:
                 delta = payload_of(*pack_encoded(delta, compression, codec_state or CodecState()))
         self.last_push_bytes = delta.total_bytes
         base = round_number if base_version is None else base_version
+        digests, receipts = [], []
+        if self.shards is not None:  # the other shards' parts first: their receipts go along
+            if part is not None:
+                raise CoordinatorError(None, "a multi-node site cannot push to coordinator shards")
+            upload_id = upload_id or new_upload_id(round_number)
+            delta, digests, receipts = self.shards.push(round_number, delta, upload_id, weight)
         push = UpdatePush(
             self,
             round_number,
@@ -385,6 +407,8 @@ class CoordinatorClient:
             abort=abort,
             hold=hold,
             part=part,
+            shard_digests=digests,
+            shard_receipts=receipts,
         )
         try:
             return push.run()

@@ -75,6 +75,10 @@ def fold_round(exc: BaseException) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def new_upload_id(round_number: int) -> str:
+    return f"r{round_number}-{uuid.uuid4().hex[:16]}"
+
+
 class UpdatePush:
     """One update's upload; ``run`` returns the coordinator's reply."""
 
@@ -92,11 +96,15 @@ class UpdatePush:
         hold: threading.Event | None = None,
         progress: TransferProgress | None = None,
         part: SitePart | None = None,
+        shard_digests: list[bytes] | None = None,
+        shard_receipts: list[bytes] | None = None,
     ) -> None:
         self.client, self.round, self.payload = client, round_number, payload
+        # A sharded job: the other parts' digests and their shards' receipts.
+        self.shard_digests, self.shard_receipts = shard_digests or [], shard_receipts or []
         self.part = part  # a multi-node site: this host's bytes only
         self.weight, self.base, self.unit = weight, base_version, data_unit
-        self.upload_id = upload_id or f"r{round_number}-{uuid.uuid4().hex[:16]}"
+        self.upload_id = upload_id or new_upload_id(round_number)
         self.abort = abort or (lambda: False)
         self.hold = hold
         self.tries = 0
@@ -119,6 +127,8 @@ class UpdatePush:
             base_version=self.base,
             reserve=reserve,
             keep_open=keep_open,
+            shard_digests=self.shard_digests,
+            shard_receipts=self.shard_receipts,
         )
         if piece is not None:
             header.piece.offset, header.piece.length = piece.offset, piece.length

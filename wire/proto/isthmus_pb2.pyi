@@ -121,18 +121,37 @@ class RoundInfo(_message.Message):
     def __init__(self, round: _Optional[int] = ..., version: _Optional[int] = ..., theta_hash: _Optional[bytes] = ..., inner_steps: _Optional[int] = ..., total_rounds: _Optional[int] = ..., finished: _Optional[bool] = ..., participant: _Optional[bool] = ..., data_unit: _Optional[str] = ..., update_wanted: _Optional[bool] = ..., site_index: _Optional[int] = ..., num_sites: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("lease", "round", "job_name", "job_config", "heartbeat_interval_s")
+    __slots__ = ("lease", "round", "job_name", "job_config", "heartbeat_interval_s", "shards")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     JOB_CONFIG_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     round: RoundInfo
     job_name: str
     job_config: bytes
     heartbeat_interval_s: float
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., job_name: _Optional[str] = ..., job_config: _Optional[bytes] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    shards: ShardMap
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., job_name: _Optional[str] = ..., job_config: _Optional[bytes] = ..., heartbeat_interval_s: _Optional[float] = ..., shards: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+
+class ShardMap(_message.Message):
+    __slots__ = ("addresses", "owner", "plan_digest")
+    class OwnerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    owner: _containers.ScalarMap[str, int]
+    plan_digest: str
+    def __init__(self, addresses: _Optional[_Iterable[str]] = ..., owner: _Optional[_Mapping[str, int]] = ..., plan_digest: _Optional[str] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("round", "inner_step", "train_loss", "phase", "merge_wait_s", "fetch_bytes_per_s", "task_compute_s", "steps_per_s", "compute_utilisation", "fetch_latency_s")
@@ -273,7 +292,7 @@ class ByteRange(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("lease", "round", "upload_id", "data_unit", "manifest", "weight", "base_version", "reserve", "piece", "keep_open")
+    __slots__ = ("lease", "round", "upload_id", "data_unit", "manifest", "weight", "base_version", "reserve", "piece", "keep_open", "shard_digests", "shard_receipts")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +303,8 @@ class PushHeader(_message.Message):
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
     KEEP_OPEN_FIELD_NUMBER: _ClassVar[int]
+    SHARD_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     round: int
     upload_id: str
@@ -294,7 +315,9 @@ class PushHeader(_message.Message):
     reserve: bool
     piece: ByteRange
     keep_open: bool
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[int] = ..., upload_id: _Optional[str] = ..., data_unit: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., weight: _Optional[float] = ..., base_version: _Optional[int] = ..., reserve: _Optional[bool] = ..., piece: _Optional[_Union[ByteRange, _Mapping]] = ..., keep_open: _Optional[bool] = ...) -> None: ...
+    shard_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    shard_receipts: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[int] = ..., upload_id: _Optional[str] = ..., data_unit: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., weight: _Optional[float] = ..., base_version: _Optional[int] = ..., reserve: _Optional[bool] = ..., piece: _Optional[_Union[ByteRange, _Mapping]] = ..., keep_open: _Optional[bool] = ..., shard_digests: _Optional[_Iterable[bytes]] = ..., shard_receipts: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -498,7 +521,7 @@ class ShardStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardStatusReply(_message.Message):
-    __slots__ = ("shard", "shards", "plan_digest", "version", "tensors", "bytes", "parts_held")
+    __slots__ = ("shard", "shards", "plan_digest", "version", "tensors", "bytes", "parts_held", "digests")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -506,6 +529,7 @@ class ShardStatusReply(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     PARTS_HELD_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     shards: int
     plan_digest: str
@@ -513,4 +537,5 @@ class ShardStatusReply(_message.Message):
     tensors: int
     bytes: int
     parts_held: int
-    def __init__(self, shard: _Optional[int] = ..., shards: _Optional[int] = ..., plan_digest: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., parts_held: _Optional[int] = ...) -> None: ...
+    digests: _containers.RepeatedCompositeFieldContainer[TensorDigest]
+    def __init__(self, shard: _Optional[int] = ..., shards: _Optional[int] = ..., plan_digest: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., parts_held: _Optional[int] = ..., digests: _Optional[_Iterable[_Union[TensorDigest, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,211 @@
+"""A site's side of a coordinator split over shards (``JoinReply.shards``).
+
+An update is cut by the shard map into one payload per shard (``split_payload``: views of the
+update's own bytes, laid out again, each with its digest). The parts for shards 1..K-1 go
+first, each on its own stream to its shard, side by side (``ShardRoutes.push_parts``); each
+shard answers with a receipt, which the site carries, with the parts' digests, in the header
+of its part for the coordinator (shard 0), pushed last through the transfer engine as any
+update. theta comes down the same way: the coordinator's part through the engine, the other
+parts from their shards side by side, all into one file laid out as theta, which is checked
+against theta's state digest as a whole (``ShardRoutes.assemble``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import torch
+
+from site_client.agent.update_payload import UpdatePayload
+from site_client.errors import CoordinatorError
+from site_client.transfer.theta import MAX_RESTARTS, GlobalState
+from wire.digest import Hasher, state_digest
+from wire.proto import isthmus_pb2 as pb
+from wire.proto import isthmus_pb2_grpc as pb_grpc
+from wire.safetensors_io import canonical_order, contiguous_manifest, create_mapped
+from wire.tensors import ALIGN, Manifest, PayloadError, unpack
+
+log = logging.getLogger("isthmus.site")
+_ZEROS = bytes(ALIGN)
+
+
+def split_payload(payload: UpdatePayload, owner: Mapping[str, int], k: int) -> list[UpdatePayload]:
+    """``payload`` as one payload per shard: each holds its shard's tensors, 64-byte aligned
+    from 0 as ``wire.tensors.pack`` lays them out, viewing the update's bytes (no copy)."""
+    if payload.manifest.parts:
+        raise PayloadError("a multi-node site's update cannot go to coordinator shards yet")
+    per: list[list] = [[] for _ in range(k)]
+    for e in payload.manifest.entries:
+        shard = owner.get(e.name)
+        if shard is None or not 0 <= shard < k:
+            raise PayloadError(f"tensor {e.name!r} has no shard in the coordinator's shard map")
+        per[shard].append(e)
+    out = []
+    for entries in per:
+        laid, segments, hasher, offset = [], [], Hasher(), 0
+        for j, e in enumerate(entries):
+            data = payload.view(e.offset, e.offset + e.nbytes)
+            laid.append(replace(e, offset=offset))
+            segments.append((offset, data))
+            hasher.update(data)
+            end = offset + e.nbytes
+            if j + 1 < len(entries):  # the zeros up to the next tensor are payload bytes too
+                offset = -(-end // ALIGN) * ALIGN
+                hasher.update(_ZEROS[: offset - end])
+            else:
+                offset = end
+        manifest = Manifest(tuple(laid), offset, hasher.digest())
+        out.append(UpdatePayload(manifest, segments, payload.keep))
+    return out
+
+
+class ShardRoutes:
+    """The site's streams to shards 1..K-1 and what it sends and fetches over them."""
+
+    def __init__(self, client, shard_map: pb.ShardMap, open_channel) -> None:
+        self.client = client
+        self.addresses = list(shard_map.addresses)
+        self.owner = dict(shard_map.owner)
+        self.k = len(self.addresses)
+        self._stubs = {
+            i: pb_grpc.ShardStub(open_channel(self.addresses[i])) for i in range(1, self.k)
+        }
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self.k - 1), thread_name_prefix="shard")
+
+    def push(
+        self, round_number: int, payload: UpdatePayload, upload_id: str, weight: float
+    ) -> tuple[UpdatePayload, list[bytes], list[bytes]]:
+        """Cut ``payload`` by the shard map and push parts 1..K-1; the coordinator's part,
+        and every part's digest and shard's receipt for the coordinator's header."""
+        try:
+            parts = split_payload(payload, self.owner, self.k)
+        except PayloadError as exc:
+            raise CoordinatorError(None, f"push: {exc}") from exc
+        digests, receipts = self.push_parts(round_number, parts, upload_id, weight)
+        return parts[0], digests, receipts
+
+    def push_parts(
+        self, round_number: int, parts: Sequence[UpdatePayload], upload_id: str, weight: float
+    ) -> tuple[list[bytes], list[bytes]]:
+        """Push parts 1..K-1 to their shards side by side; every part's digest and shard's
+        receipt (index 0 left empty: the coordinator's part)."""
+        jobs = [
+            self._pool.submit(self._push_one, i, round_number, parts[i], upload_id, weight)
+            for i in range(1, self.k)
+        ]
+        receipts = [b""] + [job.result() for job in jobs]
+        return [b""] + [p.manifest.digest for p in parts[1:]], receipts
+
+    def _push_one(self, i: int, r: int, part: UpdatePayload, upload_id: str, w: float) -> bytes:
+        c = self.client
+
+        def header(reserve: bool) -> pb.PushMessage:
+            return pb.PushMessage(
+                header=pb.PushHeader(
+                    lease=pb.Lease(site=c.site), round=r, upload_id=upload_id,
+                    manifest=part.manifest.to_proto(), weight=w, base_version=r, reserve=reserve,
+                )
+            )  # fmt: skip
+
+        def attempt() -> bytes:
+            # What the shard holds already (a part resumed after a break), then the rest.
+            probe = self._stubs[i].Push(iter([header(True)]), timeout=c.rpc_timeout_s)
+            if probe.complete:
+                return probe.receipt
+            start = probe.acked_offset
+
+            def frames():
+                yield header(False)
+                for offset, data in part.chunks(start, c.chunk_bytes):
+                    yield pb.PushMessage(chunk=pb.Chunk(offset=offset, data=bytes(data)))
+
+            reply = self._stubs[i].Push(frames(), timeout=c.transfer_timeout_s)
+            if not reply.complete:
+                raise CoordinatorError(
+                    grpc.StatusCode.UNAVAILABLE, f"shard {i}: part incomplete ({reply.message})"
+                )
+            c.bytes_sent += part.total_bytes - start
+            return reply.receipt
+
+        return c.call(f"push to shard {i}", attempt)
+
+    def fetch(self, version: int | None, dest: Path | None) -> GlobalState:
+        """theta whole: the coordinator's part, then the shards' of the same version; started
+        over when the round closes in between (unless ``version`` was asked for)."""
+        for _ in range(MAX_RESTARTS):
+            part_file = dest.with_name(dest.name + ".part0") if dest is not None else None
+            own = self.client.theta.fetch(version, None, part_file)
+            try:
+                others = self.fetch_parts(own.version)
+            except CoordinatorError as exc:
+                if exc.code != grpc.StatusCode.NOT_FOUND or version is not None:
+                    raise
+                log.info("fetch: the shards moved past theta_%d; fetching anew", own.version)
+                continue
+            finally:
+                if part_file is not None:
+                    part_file.unlink(missing_ok=True)  # its mapping lives while it is read
+            whole, file = self.assemble(own.theta, others, own.theta_hash, dest)
+            return GlobalState(own.version, whole, own.theta_hash, dest, file)
+        raise CoordinatorError(
+            grpc.StatusCode.NOT_FOUND, f"fetch: theta changed {MAX_RESTARTS} times during one fetch"
+        )
+
+    def fetch_parts(self, version: int) -> dict[str, torch.Tensor]:
+        """Every other shard's tensors of theta_``version``; ``NOT_FOUND`` when a shard
+        serves another version (the round closed meanwhile: fetch again)."""
+        jobs = [self._pool.submit(self._fetch_one, i, version) for i in range(1, self.k)]
+        theta: dict[str, torch.Tensor] = {}
+        for job in jobs:
+            theta.update(job.result())
+        return theta
+
+    def _fetch_one(self, i: int, version: int) -> dict[str, torch.Tensor]:
+        c = self.client
+
+        def attempt() -> dict[str, torch.Tensor]:
+            request = pb.FetchRequest(lease=pb.Lease(site=c.site), version=version)
+            header, buf = None, bytearray()
+            for msg in self._stubs[i].Fetch(request, timeout=c.transfer_timeout_s):
+                if msg.HasField("header"):
+                    header = msg.header
+                    buf = bytearray(header.manifest.total_bytes)
+                    continue
+                data = msg.chunk.data
+                buf[msg.chunk.offset : msg.chunk.offset + len(data)] = data
+            if header is None:
+                raise CoordinatorError(grpc.StatusCode.UNAVAILABLE, f"shard {i}: no header")
+            c.bytes_received += len(buf)
+            return unpack(Manifest.from_proto(header.manifest), bytes(buf))
+
+        return c.call(f"fetch from shard {i}", attempt)
+
+    def assemble(
+        self, own: Mapping[str, torch.Tensor], others: Mapping[str, torch.Tensor],
+        theta_hash: bytes, dest: Path | None,
+    ):  # fmt: skip
+        """theta whole (in a file at ``dest`` laid out as theta, when given), checked against
+        its state digest; ``(tensors, mapped file or None)``."""
+        whole = {**own, **others}
+        if dest is not None:
+            manifest = contiguous_manifest(whole, canonical_order(whole))
+            file = create_mapped(dest, manifest)
+            for name, t in whole.items():
+                file.tensors[name].copy_(t)
+            whole = file.tensors
+        else:
+            file = None
+        if state_digest(whole) != theta_hash:
+            raise CoordinatorError(
+                grpc.StatusCode.DATA_LOSS,
+                "fetch: theta assembled from the shards does not match its state digest",
+            )
+        return whole, file
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
