@@ -59,9 +59,10 @@ def _client_loop(address: str, name: str, rounds: int, payload, errors: list) ->
 
 
 def run(
-    folder: Path, mib: int, sites: int, rounds: int, uploads: str = "auto", shards: int = 1
+    folder: Path, mib: int, sites: int, rounds: int, uploads: str = "auto", shards: int = 0
 ) -> dict[str, int]:
-    """The job's processes' peak RSS, by name (``coordinator``, ``shard-1``, ...)."""
+    """The job's processes' peak RSS, by name (``coordinator``, ``shard-1``, ...); ``shards``
+    K >= 1: ``[shards] count = K`` and theta_0 from a file (0: from the model's factory)."""
     import subprocess
     import sys
 
@@ -83,6 +84,8 @@ def run(
         )
     if shards > 1:
         text += f"\n[shards]\ncount = {shards}\n"
+    if shards:  # theta_0 from a file: each process reads only its tensors of it
+        text = _from_file(text, folder / "theta0.safetensors", width, depth)
     (folder / "job.toml").write_text(text)
     log = open(folder / "coordinator.log", "w")  # noqa: SIM115 - the child's
     cmd = [
@@ -122,6 +125,20 @@ def run(
             coord.kill()
         log.close()
     return {name: p[0] for name, p in peaks.items()}
+
+
+def _from_file(text: str, path: Path, width: int, depth: int) -> str:
+    """The job's ``[model]`` read from a safetensors file of the same model (what a job of a
+    pretrained model does), so that no process builds the whole model to take its part."""
+    from bench.sync import residual_stack
+    from wire.safetensors_io import write_tensors
+
+    write_tensors(path, residual_stack(width, depth).state_dict())
+    factory = (
+        f'factory = "bench.sync:residual_stack"\nkwargs = {{ width = {width}, depth = {depth} }}'
+    )
+    assert factory in text
+    return text.replace(factory, f'path = "{path}"')
 
 
 def _watch_pid(pid: int, stop: threading.Event) -> list[int]:

@@ -105,18 +105,7 @@ class CoordinatorCore:
         # With [streaming]: the fragment each round syncs (a plan that cannot be made stops
         # the start here with its ConfigError).
         self.tensors = RoundTensors.of(self.state.theta.tensors, self.trainable, cfg.streaming)
-        self.slots = ReceiveSlots(
-            upload_slots(
-                cfg.server.concurrent_uploads,
-                sum(self.state.theta.tensors[n].numel() * 4 for n in self.trainable),
-                cfg.server.receive_window_bytes,
-                cfg.transfer.streams,
-            )
-        )
-        if cfg.server.concurrent_uploads is None:
-            log.info(
-                "receiving at most %d uploads at once (sized from the model)", self.slots.capacity
-            )
+        self.slots = self._receive_slots()
         self.intake = UpdateIntake(
             self.spool,
             self.uploads,
@@ -137,6 +126,21 @@ class CoordinatorCore:
         # Before any round: a job whose updates cannot be combined within memory stops here.
         like = {n: self.state.theta.tensors[n] for n in self.trainable}
         self.aggregator.check(self.strategy, cfg.rounds.max_sites, like)
+
+    def _receive_slots(self) -> ReceiveSlots:
+        """How many uploads are received at once (``coordinator.intake.receive_slots``)."""
+        cfg = self.cfg
+        slots = ReceiveSlots(
+            upload_slots(
+                cfg.server.concurrent_uploads,
+                sum(self.state.theta.tensors[n].numel() * 4 for n in self.trainable),
+                cfg.server.receive_window_bytes,
+                cfg.transfer.streams,
+            )
+        )
+        if cfg.server.concurrent_uploads is None:
+            log.info("receiving at most %d uploads at once (sized from the model)", slots.capacity)
+        return slots
 
     def _open_state(self, term: Term | None) -> None:
         """The checkpoint store, the spool, the event log and this start's epoch. Under an

@@ -25,8 +25,8 @@ FRAGMENTS, H = 2, 8  # 4 inner steps a coordinator round
 LAST = H // FRAGMENTS
 FAULTS = ";".join(
     [
-        f"site=site-1,round=1,step={LAST},action=stall,seconds=1.5",
-        f"site=site-0,round=2,step={LAST},action=stall,seconds=4",
+        f"site=site-1,round=1,step={LAST},action=stall,seconds=3",
+        f"site=site-0,round=2,step={LAST},action=stall,seconds=6",
     ]
 )
 

@@ -66,8 +66,14 @@ def same(a: dict, b: dict) -> bool:
     return set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_two_shards_end_on_the_model_of_one_process_bit_for_bit(tmp_path, one_process):
-    final = run_local(tmp_path, job_file(tmp_path, 2))
+@pytest.fixture(scope="module")
+def two_shards(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("k2")
+    return folder, run_local(folder, job_file(folder, 2))
+
+
+def test_two_shards_end_on_the_model_of_one_process_bit_for_bit(two_shards, one_process):
+    tmp_path, final = two_shards
     assert same(final, one_process)
     shard = tmp_path / "run" / "coordinator" / "shards" / "1"
     assert sorted(p.name for p in (shard / "parts").iterdir()) == ["v00000001", "v00000002"]
@@ -101,3 +107,15 @@ def test_a_shard_killed_with_minus_9_mid_job_changes_nothing(tmp_path_factory):
     assert same(final, want)
     log = (shard / "shard.log").read_text()
     assert log.count("serving on") >= 2  # started again by the lead
+
+
+def test_exporting_a_sharded_checkpoint_is_refused_not_written_half(two_shards):
+    tmp_path, _ = two_shards
+    out = tmp_path / "round1.safetensors"
+    got = h.run_cli(
+        "export", "--state-dir", str(tmp_path / "run" / "coordinator"), "--round", "1",
+        "--out", str(out),
+    )  # fmt: skip
+    assert got.returncode != 0
+    assert "split over coordinator shards" in got.stderr and "final/model.safetensors" in got.stderr
+    assert not out.exists()

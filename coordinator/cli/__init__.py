@@ -133,7 +133,6 @@ def _serve(args) -> int:
         CoordinatorServer,
         ServerTls,
     )
-    from coordinator.shards.local import ShardLaunch
     from strategies import StrategyError
 
     # Like `python -m`, make the working directory importable, so that model factories and
@@ -147,15 +146,7 @@ def _serve(args) -> int:
         return 0
     try:
         tls = ServerTls(bundle, Path(args.crl) if args.crl else None) if bundle else None
-        launch = ShardLaunch(
-            Path(args.config).absolute(),
-            tuple(args.set),
-            Path(cfg.state_dir).absolute(),
-            "",
-            Path(args.tls_dir).absolute() if args.tls_dir else None,
-            Path(args.crl).absolute() if args.crl else None,
-        )
-        server = CoordinatorServer(cfg, args.listen, tls, ha, launch)
+        server = CoordinatorServer(cfg, args.listen, tls, ha, _shard_launch(args, cfg))
     except (StoreError, StrategyError) as exc:  # a wrong [strategy], state in use, damaged log
         raise StartError(str(exc)) from exc
     except FactoryImportError as exc:
@@ -180,6 +171,20 @@ def _serve(args) -> int:
     if code == 0 and server.final is not None:
         print(f"job {cfg.name!r} complete; final model: {server.final.path}")
     return code
+
+
+def _shard_launch(args, cfg):
+    """How this coordinator starts shards 1..K-1 on its host: with its own flags."""
+    from coordinator.shards.local import ShardLaunch
+
+    return ShardLaunch(
+        Path(args.config).absolute(),
+        tuple(args.set),
+        Path(cfg.state_dir).absolute(),
+        "",
+        Path(args.tls_dir).absolute() if args.tls_dir else None,
+        Path(args.crl).absolute() if args.crl else None,
+    )
 
 
 def _check_advertised(args, cfg, ha, bundle) -> None:

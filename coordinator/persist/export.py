@@ -117,6 +117,12 @@ def export_model(
     digest = ckpt.theta_hash
     if shards is not None:
         ckpt, digest = _with_shards(ckpt, shards)
+    elif "shard_tensors" in ckpt.meta:
+        raise StoreError(
+            f"round {ckpt.round}'s checkpoint holds only the lead's tensors of a model split over "
+            "coordinator shards ([shards]); the job's final model, final/model.safetensors in "
+            "its state folder, holds them all"
+        )
     card = ModelCard(
         job=str(ckpt.meta.get("job", saved.get("job", ""))),
         round=ckpt.round,

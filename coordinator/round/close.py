@@ -278,28 +278,31 @@ class ClosePipeline:
             if shard_records is not None:
                 meta["shard_tensors"] = records_to_json(shard_records)
             if self.p.events.last_closed_round != r:  # a replayed close logged before a crash
-                agg = outcome.aggregate
-                self.p.sink.post(
-                    "round_closed",
-                    round=r,
-                    reason=order.reason,
-                    updates=[k.label for k in order.keys],
-                    theta_digest=theta_hash.hex(),
-                    phases=phases,
-                    # What history needs (``coordinator history``):
-                    participants=sorted(order.round.participants),
-                    update_bytes=sum(u.manifest.total_bytes for u in order.updates),
-                    losses={
-                        site: m["train_loss"]
-                        for site, m in (agg.metrics if agg is not None else {}).items()
-                        if "train_loss" in m
-                    },
-                    rejected=dict(outcome.rejected),
-                    **(self.p.downlink.event_fields(rung) if self.p.downlink else {}),
-                )
+                self._post_closed(order, outcome, theta_hash, phases, rung)
             s.changed()
         self.p.uploads.drop_rounds_before(r + 1)
         return theta_hash, meta, nxt
+
+    def _post_closed(self, order: CloseOrder, outcome: Outcome, theta_hash: bytes, phases, rung):
+        agg = outcome.aggregate
+        self.p.sink.post(
+            "round_closed",
+            round=order.round.number,
+            reason=order.reason,
+            updates=[k.label for k in order.keys],
+            theta_digest=theta_hash.hex(),
+            phases=phases,
+            # What history needs (``coordinator history``):
+            participants=sorted(order.round.participants),
+            update_bytes=sum(u.manifest.total_bytes for u in order.updates),
+            losses={
+                site: m["train_loss"]
+                for site, m in (agg.metrics if agg is not None else {}).items()
+                if "train_loss" in m
+            },
+            rejected=dict(outcome.rejected),
+            **(self.p.downlink.event_fields(rung) if self.p.downlink else {}),
+        )
 
     def checkpoint(self, order, theta: Future, theta_hash: bytes | None, strategy_state, meta):
         """Write round r+1's checkpoint in the background, linking theta's file (``theta``:

@@ -50,22 +50,7 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
     ckpt = core.store.load_latest()
     core.new_job = ckpt is None  # no leader ran before this one
     if ckpt is None:
-        meta = {"job": cfg.name, "events_seq": core.events.last_seq}
-        if core.shards is None:
-            initial = initial_theta(cfg.model)  # the model goes once its file is written
-            initial_hash = state_digest(initial)
-        else:  # the lead keeps shard 0's tensors; the other shards say what theirs are
-            initial = initial_theta(cfg.model, core.shards.plan.names(0))
-            others = core.shards.served_records(0)
-            meta["shard_tensors"] = records_to_json(others)
-            initial_hash = composed(initial, others)
-        file = core.theta_files.start(0, initial)
-        del initial
-        theta = file.theta.tensors
-        own_hash = initial_hash if core.shards is None else None  # the store digests the part
-        ckpt = Checkpoint(0, theta, {}, meta, {}, own_hash, file.path)
-        core.store.save(ckpt)
-        log.info("new job %r: theta_0 has %d tensors", cfg.name, len(theta))
+        ckpt, file = _first_checkpoint(core)
     elif ckpt.meta.get("job") != cfg.name:
         raise StoreError(
             f"state folder {cfg.state_dir} belongs to job {ckpt.meta.get('job')!r}, "
@@ -110,6 +95,26 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
     for key, reason in sorted(closed.get("rejected", {}).items()):
         state.rejections.append(f"round {closed['number']}: {key}: {reason}")
     return state, data, trainable_names(theta.tensors)
+
+
+def _first_checkpoint(core):
+    """A new job's checkpoint of theta_0, and theta_0's file."""
+    cfg = core.cfg
+    meta = {"job": cfg.name, "events_seq": core.events.last_seq}
+    own_hash = None  # with shards the store digests the lead's part itself
+    if core.shards is None:
+        initial = initial_theta(cfg.model)  # the model goes once its file is written
+        own_hash = state_digest(initial)
+    else:  # the lead keeps shard 0's tensors; the other shards say what theirs are
+        initial = initial_theta(cfg.model, core.shards.plan.names(0))
+        meta["shard_tensors"] = records_to_json(core.shards.served_records(0))
+    file = core.theta_files.start(0, initial)
+    del initial
+    theta = file.theta.tensors
+    ckpt = Checkpoint(0, theta, {}, meta, {}, own_hash, file.path)
+    core.store.save(ckpt)
+    log.info("new job %r: theta_0 has %d tensors", cfg.name, len(theta))
+    return ckpt, file
 
 
 def _sharded_hash(cfg, ckpt: Checkpoint, own) -> bytes:

@@ -106,7 +106,7 @@ class LeadShards:
         self.plan, self.key = plan, key
         self.addresses = ("", *addresses)  # shard 0 is the lead: sites reach it already
         self._stubs = [pb_grpc.ShardStub(open_channel(a)) for a in addresses]
-        self._remote = _RemoteShards(self._stubs, plan, key)
+        self._remote = ShardLead([None, *self._stubs], plan, key)  # shard 0: this process
         self._revive = revive
         self.stopping = threading.Event()
 
@@ -176,7 +176,7 @@ class LeadShards:
         attempt, rng = 0, random.Random()
         while True:
             try:
-                return self._remote.close(round_number, counted)
+                return self._remote.close_records(round_number, counted, first=1)
             except grpc.RpcError as exc:
                 if exc.code() not in WAIT_FOR:
                     raise
@@ -205,13 +205,3 @@ class LeadShards:
     def close_channels(self) -> None:
         self.stopping.set()
         self._remote.shutdown()
-
-
-class _RemoteShards(ShardLead):
-    """``ShardLead`` over shards 1..K-1 only (shard 0's part is the lead's own)."""
-
-    def __init__(self, stubs, plan: ShardPlan, key: bytes) -> None:
-        super().__init__([None, *stubs], plan, key)
-
-    def close(self, round_number: int, updates) -> list[TensorRecord]:  # type: ignore[override]
-        return self.close_records(round_number, updates, first=1)

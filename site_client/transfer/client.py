@@ -55,6 +55,15 @@ def _code(exc: BaseException) -> grpc.StatusCode | None:
     return exc.code() if isinstance(exc, grpc.RpcError) else None
 
 
+def encoded(
+    delta: dict[str, torch.Tensor], compression: CompressionConfig | None, state: CodecState | None
+) -> UpdatePayload:
+    """Whole tensors laid out as a payload, each encoded by the codec ``compression`` picks."""
+    if compression is None:
+        return payload_of(*pack(delta))
+    return payload_of(*pack_encoded(delta, compression, state or CodecState()))
+
+
 class CoordinatorClient:
     def __init__(
         self,
@@ -377,31 +386,26 @@ class CoordinatorClient:
         Raises
         ------
         PushAborted
-            ``abort()`` became true: the stream was ended early, and what arrived stays
-            uncounted.
+            ``abort()`` became true: the stream ended early; what arrived stays uncounted.
         CoordinatorError
             Refused for good. With ``data_unit``, ``ALREADY_EXISTS`` means another copy of
             the unit won: this update did not count.
         """
         if not isinstance(delta, UpdatePayload):
-            if compression is None:
-                delta = payload_of(*pack(delta))
-            else:
-                delta = payload_of(*pack_encoded(delta, compression, codec_state or CodecState()))
+            delta = encoded(delta, compression, codec_state)
         self.last_push_bytes = delta.total_bytes
-        base = round_number if base_version is None else base_version
         digests, receipts = [], []
         if self.shards is not None:  # the other shards' parts first: their receipts go along
-            if part is not None:
-                raise CoordinatorError(None, "a multi-node site cannot push to coordinator shards")
             upload_id = upload_id or new_upload_id(round_number)
-            delta, digests, receipts = self.shards.push(round_number, delta, upload_id, weight)
+            delta, digests, receipts = self.shards.push(
+                round_number, delta, upload_id, weight, part
+            )
         push = UpdatePush(
             self,
             round_number,
             delta,
             weight=weight,
-            base_version=base,
+            base_version=round_number if base_version is None else base_version,
             data_unit=data_unit,
             upload_id=upload_id,
             abort=abort,

@@ -78,10 +78,12 @@ class ShardRoutes:
         self._pool = ThreadPoolExecutor(max_workers=max(1, self.k - 1), thread_name_prefix="shard")
 
     def push(
-        self, round_number: int, payload: UpdatePayload, upload_id: str, weight: float
+        self, round_number: int, payload: UpdatePayload, upload_id: str, weight: float, part=None
     ) -> tuple[UpdatePayload, list[bytes], list[bytes]]:
         """Cut ``payload`` by the shard map and push parts 1..K-1; the coordinator's part,
         and every part's digest and shard's receipt for the coordinator's header."""
+        if part is not None:
+            raise CoordinatorError(None, "a multi-node site cannot push to coordinator shards yet")
         try:
             parts = split_payload(payload, self.owner, self.k)
         except PayloadError as exc:

@@ -1,0 +1,60 @@
+"""A site's side of coordinator shards on its own: an update cut by the shard map into parts
+laid out and digested as ``wire.tensors.pack`` lays out and digests them, without copying."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from site_client.agent.update_payload import payload_of
+from site_client.transfer.sharded import split_payload
+from wire.codecs.quantize import Int8Codec
+from wire.codecs.rules import CompressionConfig
+from wire.codecs.state import CodecState
+from wire.digest import payload_digest
+from wire.tensors import PayloadError, pack, pack_encoded, unpack
+
+
+def _update() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    shapes = {"a": (3, 5), "b": (7,), "c": (4, 4), "d": (1,), "e": (9, 3)}
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+OWNER = {"a": 1, "b": 0, "c": 1, "d": 2, "e": 0}
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_each_part_is_what_packing_its_tensors_alone_gives(codec):
+    update = _update()
+    if codec == "none":
+        payload = payload_of(*pack(update))
+    else:
+        cfg = CompressionConfig(default=Int8Codec())
+        payload = payload_of(*pack_encoded(update, cfg, CodecState()))
+    parts = split_payload(payload, OWNER, 3)
+    whole = bytes(payload.view(0, payload.total_bytes))
+    for i, part in enumerate(parts):
+        names = [e.name for e in part.manifest.entries]
+        assert names == [n for n in update if OWNER[n] == i]
+        raw = bytes(part.view(0, part.total_bytes))
+        assert part.manifest.digest == payload_digest(raw)  # the bytes the shard will hash
+        for e in part.manifest.entries:  # each tensor's bytes as the whole payload held them
+            src = next(x for x in payload.manifest.entries if x.name == e.name)
+            assert (
+                raw[e.offset : e.offset + e.nbytes] == whole[src.offset : src.offset + src.nbytes]
+            )
+            assert e.offset % 64 == 0
+    if codec == "none":
+        back = {}
+        for part in parts:
+            back |= unpack(part.manifest, bytes(part.view(0, part.total_bytes)))
+        assert all(torch.equal(back[n], update[n]) for n in update)
+
+
+def test_a_tensor_without_a_shard_is_refused():
+    payload = payload_of(*pack(_update()))
+    with pytest.raises(PayloadError, match="'e' has no shard"):
+        split_payload(payload, {n: 0 for n in "abcd"}, 2)
+    with pytest.raises(PayloadError, match="has no shard"):
+        split_payload(payload, {**OWNER, "d": 5}, 3)

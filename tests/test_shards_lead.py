@@ -1,0 +1,143 @@
+"""The lead of a sharded job (a ``CoordinatorCore`` with ``LeadShards``) against a real shard
+process over mutual TLS: it counts an update only with the shard's receipt, refuses a part
+with another shard's tensor naming that shard, and what it refuses changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from core_helpers import Clock, core_config
+from shard_helpers import (
+    MODEL,
+    SITES,
+    STRATEGY,
+    delta,
+    make_pki,
+    plan_of,
+    start_shards,
+    stub,
+    theta_0,
+)
+
+from coordinator.core import CoordinatorCore
+from coordinator.records import PushHeader, Refused
+from coordinator.shards.lead import LeadShards
+from coordinator.shards.link import push_part, split_update
+from coordinator.shards.receipts import load_key
+from wire.identity import Bundle
+from wire.net.channel import open_channel
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def lead(tmp_path, pki):
+    shards = start_shards(tmp_path, pki, 2)
+    plan = plan_of(2)
+    bundle = Bundle.load(pki / "lead")
+    lead_shards = LeadShards(
+        plan, load_key(shards[0].key), [shards[1].address], lambda a: open_channel(a, bundle)
+    )
+    clock = Clock()
+    cfg = core_config(tmp_path / "lead", model=MODEL, strategy=STRATEGY, rounds={"max_sites": 2})
+    core = CoordinatorCore(cfg, clock=clock, shards=lead_shards)
+    tokens = {s: core.join(s)[0].token for s in SITES}
+    clock.now += 1.0
+    core.tick()
+    yield core, tokens, shards, plan
+    core.close()
+    for s in shards:
+        s.stop()
+
+
+def _push(core, site, token, parts, digests, receipts, upload_id):
+    own = parts[0]
+    header = PushHeader(
+        site=site,
+        token=token,
+        round=0,
+        upload_id=upload_id,
+        manifest=own.manifest.to_proto(),
+        weight=1.0,
+        base_version=0,
+        shard_digests=tuple(digests),
+        shard_receipts=tuple(receipts),
+    )
+    upload = core.begin_upload(header)
+    try:
+        core.upload_chunk(upload, 0, bytes(own.payload), token)
+        return core.finish_upload(upload, token)
+    finally:
+        core.release_upload(upload)
+
+
+def _parts(core, shards, pki, site, plan, upload_id):
+    update = delta(theta_0(), site, 0)
+    parts = split_update(update, plan)
+    reply = push_part(stub(shards[1].address, pki, site), site, 0, upload_id, parts[1], 1.0)
+    return parts, [b"", parts[1].manifest.digest], [b"", reply.receipt]
+
+
+def test_the_lead_counts_an_update_only_with_every_receipt(lead, pki):
+    core, tokens, shards, plan = lead
+    site = "site-a"
+    parts, digests, receipts = _parts(core, shards, pki, site, plan, "u1")
+    received = dict(core.round.received)
+
+    def refused(digests_, receipts_, words, upload_id="u1"):
+        with pytest.raises(Refused) as info:
+            _push(core, site, tokens[site], parts, digests_, receipts_, upload_id)
+        assert words in str(info.value)
+        assert dict(core.round.received) == received  # nothing counted
+
+    refused([], [], "split over 2 shards")
+    refused(digests, [b"", b"\0" * 32], "no valid receipt of shard 1")
+    refused(digests, receipts, "no valid receipt of shard 1", upload_id="u2")  # another upload
+    refused([b"", b"\1" * 32], receipts, "no valid receipt of shard 1")  # another part
+    # a tensor of shard 1 in the lead's part
+    name = plan.names(1)[0]
+    wrong = split_update({name: torch.zeros(4)}, plan)[1]
+    with pytest.raises(Refused) as info:
+        _push(core, site, tokens[site], [wrong], digests, receipts, "u1")
+    assert f"tensor {name!r} belongs to shard 1" in str(info.value)
+    assert _push(core, site, tokens[site], parts, digests, receipts, "u1")
+    assert site in core.round.received
+
+
+def test_a_lead_restarted_between_publishing_and_checkpointing_gives_the_same_theta(
+    tmp_path, pki, lead, monkeypatch
+):
+    from coordinator.persist import local_store as store_mod
+
+    core, tokens, shards, plan = lead
+    for site in SITES:
+        parts, digests, receipts = _parts(core, shards, pki, site, plan, f"{site}-0")
+        assert _push(core, site, tokens[site], parts, digests, receipts, f"{site}-0")
+
+    def crash(self, ckpt):  # the lead dies before the checkpoint of round 1 is written
+        core.stopping.set()
+        raise OSError("killed")
+
+    monkeypatch.setattr(store_mod.CheckpointStore, "save", crash)
+    assert core.tick() and core.round.number == 1
+    published = core.published.theta_hash
+    with pytest.raises(OSError):
+        core.writer.wait()
+    core.events.close()
+    monkeypatch.undo()
+    assert (shards[1].folder / "parts" / "v00000001").exists()  # the shard stepped already
+
+    bundle = Bundle.load(pki / "lead")
+    again_shards = LeadShards(
+        plan, load_key(shards[0].key), [shards[1].address], lambda a: open_channel(a, bundle)
+    )
+    cfg = core_config(tmp_path / "lead", model=MODEL, strategy=STRATEGY, rounds={"max_sites": 2})
+    again = CoordinatorCore(cfg, clock=Clock(50.0), shards=again_shards)
+    try:
+        assert again.round.number == 1 and again.published.theta_hash == published
+        again.writer.wait()
+    finally:
+        again.close()
