@@ -170,6 +170,12 @@ def read_header(path: Path) -> tuple[Manifest, int, dict[str, str]]:
 def file_state_digest(path: Path) -> bytes:
     """``wire.digest.state_digest`` of a safetensors file's tensors, read a block at a time
     into one buffer (nothing mapped, so a model-sized check adds no pages to the process)."""
+    return compose(file_tensor_records(path))
+
+
+def file_tensor_records(path: Path) -> list[tuple[str, str, tuple[int, ...], bytes]]:
+    """Each tensor's ``(name, dtype, shape, digest)`` in a safetensors file, read as
+    ``file_state_digest`` reads them."""
     manifest, start, _ = read_header(path)
     buf = bytearray(4 << 20)
     records = []
@@ -185,7 +191,7 @@ def file_state_digest(path: Path) -> bytes:
                 h.update(memoryview(buf)[:got])
                 left -= got
             records.append((e.name, e.dtype, tuple(e.shape), h.digest()))
-    return compose(records)
+    return records
 
 
 def copy_data(source: Path, target, start: int, size: int) -> None:

@@ -40,8 +40,22 @@ def add_shard_parser(sub) -> None:
         "--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="as for serve"
     )
     p.add_argument("--crl", metavar="FILE", help="the CA's revocation list")
+    p.add_argument(
+        "--parent-pid",
+        type=int,
+        metavar="PID",
+        help="stop when this process is gone (the coordinator that started this shard)",
+    )
     add_security_flags(p, "the shard (a coordinator certificate)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+
+
+def _outlive_not(parent: int, stop: threading.Event) -> None:
+    """Set ``stop`` once process ``parent`` is gone (killed with -9, it could not stop us):
+    a shard must not hold its folder when its coordinator starts again."""
+    while not stop.wait(0.2):
+        if os.getppid() != parent:
+            stop.set()
 
 
 def run_shard(args: argparse.Namespace) -> int:
@@ -80,12 +94,18 @@ def run_shard(args: argparse.Namespace) -> int:
     core = ShardCore(spec, strategy, lambda: initial_theta(cfg.model, own), folder, key)
     server = ShardServer(core, args.listen, bundle, Path(args.crl) if args.crl else None)
     (folder / "address").write_text(f"{server.address}\n")
+    _serve_until_stopped(server, args)
+    lock.close()
+    return 0
+
+
+def _serve_until_stopped(server, args: argparse.Namespace) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.parent_pid:
+        threading.Thread(target=_outlive_not, args=(args.parent_pid, stop), daemon=True).start()
     server.start()
     print(f"shard {args.index} of {args.shards} serving on {server.address}", flush=True)
     stop.wait()
     server.stop()
-    lock.close()
-    return 0

@@ -19,13 +19,14 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from coordinator.model_source import ModelConfig
 from coordinator.persist.local_store import CheckpointStore, StoreError, write_atomic
-from wire.digest import state_digest
+from coordinator.shards.final_model import PartMismatch, write_model
+from coordinator.shards.lead import records_from_json
 from wire.safetensors_io import copy_data, header_bytes, read_header, write_tensors
 
 MODEL_CARD = "model.json"
@@ -114,9 +115,9 @@ def export_model(
     if ckpt is None:
         raise StoreError(f"{getattr(store, 'url', state_dir)} holds no checkpoints yet")
     saved = _read_json(Path(state_dir) / MODEL_CARD)
-    digest = ckpt.theta_hash
-    if shards is not None:
-        ckpt, digest = _with_shards(ckpt, shards)
+    digest, others = ckpt.theta_hash, None
+    if shards is not None:  # the other shards' tensors stream into the file (final_model)
+        others = records_from_json(ckpt.meta["shard_tensors"])
     elif "shard_tensors" in ckpt.meta:
         raise StoreError(
             f"round {ckpt.round}'s checkpoint holds only the lead's tensors of a model split over "
@@ -133,28 +134,19 @@ def export_model(
     metadata = {f"isthmus.{k}": json.dumps(v) for k, v in asdict(card).items()}
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        _write_model(tmp, ckpt, metadata)
+        if others is None:
+            _write_model(tmp, ckpt, metadata)
+        else:
+            write_model(tmp, ckpt.theta_file, others, shards.stubs, ckpt.round, metadata)
         os.replace(tmp, out)
         write_atomic(card_path_of(out), json.dumps(asdict(card), indent=1).encode())
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise StoreError(f"cannot write {out}: {exc.strerror}") from exc
+    except PartMismatch as exc:
+        tmp.unlink(missing_ok=True)
+        raise StoreError(f"round {ckpt.round}'s model was not written: {exc}") from exc
     return Exported(out, card_path_of(out), card)
-
-
-def _with_shards(ckpt, shards):
-    """The checkpoint with every shard's tensors, and whole theta's digest, checked against the
-    other shards' records the checkpoint holds."""
-    from coordinator.shards.lead import composed, records_from_json
-
-    whole = {**ckpt.theta, **shards.fetch_parts()}
-    digest = state_digest(whole)
-    if digest != composed(ckpt.theta, records_from_json(ckpt.meta.get("shard_tensors", []))):
-        raise StoreError(
-            f"the shards' tensors are not those of round {ckpt.round}'s checkpoint: a shard "
-            "serves another version"
-        )
-    return replace(ckpt, theta=whole, theta_file=None), digest
 
 
 def _write_model(path: Path, ckpt, metadata: dict[str, str]) -> None:

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from coordinator.persist import state_digests
 from coordinator.persist.theta_file import link_or_copy
 from wire.digest import state_digest
-from wire.safetensors_io import file_state_digest, map_tensors, write_tensors
+from wire.safetensors_io import map_tensors, write_tensors
 
 log = logging.getLogger(__name__)
 FORMAT = 1
@@ -255,7 +255,9 @@ class CheckpointStore:
         block at a time; a legacy checkpoint's by its SHA-256 state hash)."""
         if state_digests.legacy(meta):
             problem = state_digests.mismatch("theta", theta, meta)
-        elif file_state_digest(path / "theta.safetensors").hex() != meta.get("theta_digest"):
+        elif state_digests.file_theta_digest(path / "theta.safetensors", meta).hex() != meta.get(
+            "theta_digest"
+        ):
             problem = "theta.safetensors does not match its digest in meta.json"
         else:
             problem = None

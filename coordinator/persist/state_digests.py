@@ -2,9 +2,12 @@
 
 A checkpoint's ``meta.json`` holds the state digest (``wire.digest.state_digest``) of each of
 its three tensor files: ``theta_digest`` (theta's, the value sites check theta against),
-``strategy_digest`` and ``downlink_digest``. Checkpoints written before the digests were
-BLAKE3 (2026-12) hold SHA-256 state hashes instead (``theta_sha256``, ...): they are checked
-with that, and theta's digest is taken anew for serving, so a job resumes across the change.
+``strategy_digest`` and ``downlink_digest``. The lead of a job split over coordinator shards
+keeps only its own tensors in ``theta.safetensors`` and the others' records in
+``shard_tensors``: ``theta_digest`` is composed from both (``file_theta_digest``).
+Checkpoints written before the digests were BLAKE3 (2026-12) hold SHA-256 state hashes instead
+(``theta_sha256``, ...): they are checked with that, and theta's digest is taken anew for
+serving, so a job resumes across the change.
 Both stores (the local folder's and the object store's) use this.
 """
 
@@ -15,7 +18,8 @@ from collections.abc import Mapping
 
 import torch
 
-from wire.digest import state_digest
+from wire.digest import compose, state_digest
+from wire.safetensors_io import file_tensor_records
 from wire.tensors import dtype_name
 
 FILES = ("theta", "strategy", "downlink")
@@ -28,6 +32,13 @@ def recorded(theta_digest: bytes, strategy, downlink) -> dict[str, str]:
         "strategy_digest": state_digest(strategy).hex(),
         "downlink_digest": state_digest(downlink).hex(),
     }
+
+
+def file_theta_digest(path, meta: Mapping) -> bytes:
+    """theta's digest from its file's tensors (read a block at a time), with the other
+    shards' tensors as ``meta`` records them when the job is split over shards."""
+    others = [(n, d, tuple(s), bytes.fromhex(h)) for n, d, s, h in meta.get("shard_tensors", [])]
+    return compose([*file_tensor_records(path), *others])
 
 
 def legacy(meta: Mapping) -> bool:

@@ -124,9 +124,7 @@ class ClosePipeline:
         served = functools.partial(self._served_from_file, r + 1)
         written = self.p.theta_files.submit(r + 1, nxt, served)
         del nxt  # theta_{r+1}'s buffer goes once its file serves (the next sum needs the room)
-        # With shards theta_hash is the whole model's; the checkpoint records its own part's.
-        own_hash = theta_hash if shard_records is None else None
-        self.checkpoint(order, written, own_hash, strategy_state, meta)
+        self.checkpoint(order, written, theta_hash, strategy_state, meta)
         log.info(
             "round %d closed (%s): %d update(s), published theta_%d %s in %.2fs",
             r,
@@ -304,7 +302,7 @@ class ClosePipeline:
             **(self.p.downlink.event_fields(rung) if self.p.downlink else {}),
         )
 
-    def checkpoint(self, order, theta: Future, theta_hash: bytes | None, strategy_state, meta):
+    def checkpoint(self, order, theta: Future, theta_hash: bytes, strategy_state, meta):
         """Write round r+1's checkpoint in the background, linking theta's file (``theta``:
         the future of ``ThetaFiles.submit``) once it is written."""
         r = order.round.number

@@ -36,7 +36,7 @@ from coordinator.records import PinnedClose, UpdateKey, closed_round_of
 from coordinator.round.driver import CloseOrder
 from coordinator.round.publish import publication
 from coordinator.round.rules import RoundState
-from coordinator.shards.lead import composed, records_from_json, records_to_json
+from coordinator.shards.lead import composed, records_to_json
 from coordinator.state import CoordinatorState
 from strategies.base import call_hook
 from strategies.robust import norm_of
@@ -75,13 +75,11 @@ def load(core) -> tuple[CoordinatorState, object, list[str]]:
             ckpt.meta, core.strategy, last_closed, fragments, cfg.rounds.max_staleness
         )
     theta = file.theta
-    theta_hash = ckpt.theta_hash
-    if core.shards is not None:
-        theta_hash = _sharded_hash(cfg, ckpt, theta.tensors)
-    elif "shard_tensors" in ckpt.meta:
+    theta_hash = ckpt.theta_hash  # with shards: composed with the other shards' (recorded)
+    if (core.shards is not None) != ("shard_tensors" in ckpt.meta):
+        split = "split over coordinator shards" if core.shards is None else "one coordinator's"
         raise StoreError(
-            f"the state in {cfg.state_dir} is split over coordinator shards: keep [shards] "
-            "count as the job started with"
+            f"the state in {cfg.state_dir} is {split}: keep [shards] count as the job started with"
         )
     source = ThetaSource.of_file(file)
     state = CoordinatorState(
@@ -101,30 +99,21 @@ def _first_checkpoint(core):
     """A new job's checkpoint of theta_0, and theta_0's file."""
     cfg = core.cfg
     meta = {"job": cfg.name, "events_seq": core.events.last_seq}
-    own_hash = None  # with shards the store digests the lead's part itself
     if core.shards is None:
         initial = initial_theta(cfg.model)  # the model goes once its file is written
-        own_hash = state_digest(initial)
+        theta_hash = state_digest(initial)
     else:  # the lead keeps shard 0's tensors; the other shards say what theirs are
         initial = initial_theta(cfg.model, core.shards.plan.names(0))
-        meta["shard_tensors"] = records_to_json(core.shards.served_records(0))
+        others = core.shards.served_records(0)
+        meta["shard_tensors"] = records_to_json(others)
+        theta_hash = composed(initial, others)
     file = core.theta_files.start(0, initial)
     del initial
     theta = file.theta.tensors
-    ckpt = Checkpoint(0, theta, {}, meta, {}, own_hash, file.path)
+    ckpt = Checkpoint(0, theta, {}, meta, {}, theta_hash, file.path)
     core.store.save(ckpt)
     log.info("new job %r: theta_0 has %d tensors", cfg.name, len(theta))
     return ckpt, file
-
-
-def _sharded_hash(cfg, ckpt: Checkpoint, own) -> bytes:
-    """theta's digest from the lead's tensors and the other shards' records in the checkpoint."""
-    if "shard_tensors" not in ckpt.meta:
-        raise StoreError(
-            f"the state in {cfg.state_dir} is one coordinator's, not split over shards: it "
-            "cannot go on with [shards] count > 1"
-        )
-    return composed(own, records_from_json(ckpt.meta["shard_tensors"]))
 
 
 def resume(core) -> None:

@@ -30,7 +30,7 @@ import torch
 
 from coordinator.persist.local_store import write_atomic
 from coordinator.records import PushHeader, Refused
-from coordinator.shards.link import CountedUpdate, ShardLead, fetch_part
+from coordinator.shards.link import CountedUpdate, ShardLead
 from coordinator.shards.part_store import TensorRecord
 from wire.backoff import BackoffPolicy, next_delay
 from wire.digest import compose, dtype_name, tensor_digests
@@ -187,13 +187,10 @@ class LeadShards:
                 if self.stopping.wait(next_delay(CLOSE_BACKOFF, attempt, rng)):
                     raise
 
-    def fetch_parts(self) -> dict[str, torch.Tensor]:
-        """Every other shard's tensors of the theta it serves (the final model's)."""
-        theta: dict[str, torch.Tensor] = {}
-        for s in self._stubs:
-            _, part = fetch_part(s, "lead")
-            theta.update(part)
-        return theta
+    @property
+    def stubs(self) -> list[pb_grpc.ShardStub]:
+        """Shards 1..K-1's stubs, in order."""
+        return list(self._stubs)
 
     def shard_map(self) -> pb.ShardMap:
         return pb.ShardMap(

@@ -83,16 +83,25 @@ class LocalShards:
         cmd += ["--shards", str(self.count), "--listen", listen]
         key = self.launch.state_dir / "shard.key"
         cmd += ["--state-dir", str(folder), "--key", str(key), *security, *crl, *sets]
+        cmd += ["--parent-pid", str(os.getpid())]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
-        with open(folder / "shard.log", "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        self._procs[i] = proc
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not address_file.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
+        while True:
+            with open(folder / "shard.log", "ab") as out:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self._procs[i] = proc
+            while not address_file.exists() and proc.poll() is None:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            if address_file.exists():
+                break
+            # An earlier shard process of a coordinator killed with -9 may hold the folder
+            # for a moment more (it stops once it sees its parent gone): try again.
+            if proc.poll() is None or time.monotonic() > deadline or not _folder_held(folder):
                 tail = (folder / "shard.log").read_text(errors="replace")[-2000:]
                 raise OSError(f"shard {i} did not start (see {folder / 'shard.log'}):\n{tail}")
-            time.sleep(0.05)
+            time.sleep(0.5)
         self._ports[i] = address_file.read_text().strip()
         log.info("shard %d serving on %s (pid %d)", i, self._ports[i], proc.pid)
 
@@ -120,6 +129,12 @@ class LocalShards:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _folder_held(folder: Path) -> bool:
+    """Whether the last start failed because another process held the shard's folder."""
+    tail = (folder / "shard.log").read_text(errors="replace")[-600:]
+    return "is in use by another" in tail
 
 
 def open_shards(cfg, bundle, launch: ShardLaunch | None):

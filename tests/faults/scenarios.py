@@ -15,6 +15,7 @@ from pathlib import Path
 
 from faults import coordinator_faults as coord
 from faults import link_faults as link
+from faults import shard_faults as shard
 from faults import site_faults as site
 from faults import streaming_faults as streaming
 from faults.cluster import Cluster, JobSpec
@@ -112,6 +113,13 @@ SINGLE: list[Scenario] = [
         streaming.ASYNC,
         deterministic=False,
         slow=False,
+    ),
+    # A coordinator split over shards: judged against the crash-free one-process run.
+    Scenario("shards: shard killed mid-round", shard.kill_shard_mid_round, shard.SHARDED),
+    Scenario(
+        "shards: lead killed while stepping",
+        shard.kill_lead_while_stepping,
+        shard.SHARDED_SLOW_CLOSE,
     ),
 ]
 

@@ -51,6 +51,9 @@ class JobSpec:
     grace_s: float | None = None  # [rounds] grace_s
     max_staleness: int = 1  # [rounds] max_staleness
     late_discount: float = 0.0  # [strategy] late_discount
+    # [shards] count: not a model field (theta is the same bits for every K), so a sharded
+    # run is judged against the crash-free one-process run.
+    shards: int = 1
 
     @property
     def streaming(self) -> bool:
@@ -79,14 +82,16 @@ class JobSpec:
             strategy["late_discount"] = self.late_discount
         if self.grace_s is not None:
             rounds.update(grace_s=self.grace_s, max_staleness=self.max_staleness)
-        streaming = {}
+        tables = {}
         if self.streaming:  # absent otherwise: the plain specs' jobs are as they were
-            streaming["streaming"] = {
+            tables["streaming"] = {
                 "fragments": self.fragments,
                 "delay_steps": self.delay_steps,
                 "merge_alpha": self.merge_alpha,
                 **({"merge": self.merge} if self.merge != "blocking" else {}),
             }
+        if self.shards > 1:
+            tables["shards"] = {"count": self.shards}
         return job_config(
             name="faults",
             strategy=strategy,
@@ -104,7 +109,7 @@ class JobSpec:
                 **rounds,
             },
             timeouts={"heartbeat_interval_s": self.heartbeat_s, "lease_ttl_s": self.lease_ttl_s},
-            **streaming,
+            **tables,
         )
 
     def model_key(self) -> tuple:
