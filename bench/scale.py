@@ -213,13 +213,15 @@ def _by_shards(args, root: Path, baseline: int) -> int:
         width, depth = WIDTHS[mib]
         model_bytes = depth * (width * width + width) * 4
         folder = root / f"{mib}mib-k{k}"
+        started = time.monotonic()
         peaks = run(folder, mib, sites, args.rounds, "auto", k)
+        seconds = time.monotonic() - started
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
         ratios = {name: (p - baseline) / model_bytes for name, p in peaks.items()}
         worst[k] = max(worst.get(k, 0.0), max(ratios.values()))
         row = "  ".join(f"{name} {r:.2f}x" for name, r in ratios.items())
-        print(f"{mib:>4} MiB  K = {k}:  {row}")
+        print(f"{mib:>4} MiB  K = {k}:  {row}  (job {seconds:.1f} s)")
     figures = [f"shard_rss_over_model_max_k{k}={v:.2f}" for k, v in worst.items()]
     if len(counts) > 1:
         figures.append(

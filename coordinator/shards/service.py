@@ -14,6 +14,7 @@ from concurrent import futures
 import grpc
 
 from coordinator.records import PushHeader, Refused
+from coordinator.service import heap
 from coordinator.service.auth import AuthError, Authorizer, RevocationList
 from coordinator.service.servicer import (
     _refusals_to_status,
@@ -21,6 +22,7 @@ from coordinator.service.servicer import (
     received_ranges,
     refuse_unknown_fields,
 )
+from coordinator.shards.bulk import bulk_handler
 from coordinator.shards.part_store import FoldedPart
 from coordinator.shards.shard_core import ShardCore
 from wire.chunking import DEFAULT_CHUNK_BYTES
@@ -71,7 +73,25 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     @_refusals_to_status
     def Push(self, request_iterator, context) -> pb.PushReply:
-        first = next(request_iterator, None)
+        def chunks():
+            for msg in request_iterator:
+                if msg.WhichOneof("kind") != "chunk":
+                    raise Refused("invalid", "a push stream carries one header, then only chunks")
+                refuse_unknown_fields(msg)
+                yield msg.chunk.offset, msg.chunk.data
+
+        return self.push(next(request_iterator, None), chunks(), context)
+
+    @_refusals_to_status
+    def Fetch(self, request: pb.FetchRequest, context):
+        for part in self.fetch_parts(request, context):
+            if isinstance(part, pb.FetchHeader):
+                yield pb.FetchMessage(header=part)
+            else:
+                yield pb.FetchMessage(chunk=pb.Chunk(offset=part[0], data=part[1]))
+
+    def push(self, first: pb.PushMessage | None, chunks, context) -> pb.PushReply:
+        """A push stream: its header, then ``(offset, bytes)`` chunks (protobuf or raw)."""
         if first is None or first.WhichOneof("kind") != "header":
             raise Refused("invalid", "a push stream starts with a PushHeader")
         h = first.header
@@ -84,16 +104,19 @@ class ShardServicer(pb_grpc.ShardServicer):
         )  # fmt: skip
         upload = self.core.begin(header)
         try:
-            for msg in request_iterator:
-                if msg.WhichOneof("kind") != "chunk" or h.reserve:
-                    raise Refused("invalid", "a push stream carries one header, then only chunks")
-                refuse_unknown_fields(msg)
-                self.core.write(upload, msg.chunk.offset, msg.chunk.data, piece)
+            for offset, data in chunks:
+                if h.reserve:
+                    raise Refused("invalid", "a reserve stream carries its header only")
+                self.core.write(upload, offset, data, piece)
         finally:
             if not h.reserve:  # a reservation is registered as no stream
                 self.core.uploads.release(upload, piece)
+            heap.trim()  # the stream's read buffers are free now
         if piece is not None:
             return piece_reply(upload, piece)
+        return self._finish(upload)
+
+    def _finish(self, upload) -> pb.PushReply:
         receipt = self.core.finish(upload)
         if receipt is None:
             return pb.PushReply(
@@ -105,8 +128,8 @@ class ShardServicer(pb_grpc.ShardServicer):
             complete=True, acked_offset=upload.received, message="held", receipt=receipt
         )
 
-    @_refusals_to_status
-    def Fetch(self, request: pb.FetchRequest, context):
+    def fetch_parts(self, request: pb.FetchRequest, context):
+        """The header, then ``(offset, bytes)`` chunks of the part of theta served."""
         self._auth(context, ("site", "coordinator"), None)
         refuse_unknown_fields(request)
         core = self.core
@@ -124,12 +147,13 @@ class ShardServicer(pb_grpc.ShardServicer):
         stop = start + request.length if request.HasField("length") else total
         if problem := range_problem(start, stop - start, total):
             raise Refused("invalid", f"fetch: {problem}")
-        header = pb.FetchHeader(version=stored.version, manifest=file.manifest.to_proto())
-        header.theta_hash = b""  # the lead's composed digest vouches for theta
-        yield pb.FetchMessage(header=header)
-        for offset in range(start, stop, self.chunk_bytes):
-            data = file.read(offset, min(self.chunk_bytes, stop - offset))
-            yield pb.FetchMessage(chunk=pb.Chunk(offset=offset, data=data))
+        # theta_hash stays empty: the lead's composed digest vouches for theta
+        yield pb.FetchHeader(version=stored.version, manifest=file.manifest.to_proto())
+        try:
+            for offset in range(start, stop, self.chunk_bytes):
+                yield offset, file.read(offset, min(self.chunk_bytes, stop - offset))
+        finally:
+            heap.trim()
 
     @_refusals_to_status
     def Close(self, request: pb.ShardCloseRequest, context) -> pb.ShardCloseReply:
@@ -167,6 +191,7 @@ class ShardServer:
         self, core: ShardCore, listen: str, bundle: Bundle | None, crl=None, workers: int = 32
     ) -> None:
         self.core = core
+        heap.return_freed_memory()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shard"),
             options=server_options(0),
@@ -190,6 +215,7 @@ class ShardServer:
         self.address = f"{listen.rpartition(':')[0]}:{port}"
         self.servicer = ShardServicer(core, Authorizer(revocations))
         pb_grpc.add_ShardServicer_to_server(self.servicer, self.server)
+        self.server.add_generic_rpc_handlers((bulk_handler(self.servicer),))
 
     def start(self) -> None:
         self.server.start()

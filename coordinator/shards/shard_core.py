@@ -232,8 +232,8 @@ class ShardCore:
         weights = {UpdateKey(p.site, unit=p.upload_id).label: p.weight for p in parts}
         agg = Aggregate(acc, total, weights, r)
         s, new = self.strategy, None
-        if s.separable and steps_in_place(s):
-            new = step_by_tensor(s, theta, agg)
+        if s.separable and steps_in_place(s):  # theta_r's pages go back as each tensor steps
+            new = step_by_tensor(s, theta, agg, self.file.release)
         if new is None:
             new = check_outer_result(s, theta, call_hook(s, "outer_step", theta, agg))
         return {n: new.get(n, t) for n, t in theta.items()}

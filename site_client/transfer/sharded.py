@@ -24,9 +24,9 @@ import torch
 from site_client.agent.update_payload import UpdatePayload
 from site_client.errors import CoordinatorError
 from site_client.transfer.theta import MAX_RESTARTS, GlobalState
+from wire.bulk import BulkStub, chunk_frame, parse_chunk
 from wire.digest import Hasher, state_digest
 from wire.proto import isthmus_pb2 as pb
-from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.safetensors_io import canonical_order, contiguous_manifest, create_mapped
 from wire.tensors import ALIGN, Manifest, PayloadError, unpack
 
@@ -72,9 +72,8 @@ class ShardRoutes:
         self.addresses = list(shard_map.addresses)
         self.owner = dict(shard_map.owner)
         self.k = len(self.addresses)
-        self._stubs = {
-            i: pb_grpc.ShardStub(open_channel(self.addresses[i])) for i in range(1, self.k)
-        }
+        # Raw frames (``wire.bulk``): each shard serves the coordinator's bulk methods.
+        self._stubs = {i: BulkStub(open_channel(self.addresses[i])) for i in range(1, self.k)}
         self._pool = ThreadPoolExecutor(max_workers=max(1, self.k - 1), thread_name_prefix="shard")
 
     def push(
@@ -106,13 +105,13 @@ class ShardRoutes:
     def _push_one(self, i: int, r: int, part: UpdatePayload, upload_id: str, w: float) -> bytes:
         c = self.client
 
-        def header(reserve: bool) -> pb.PushMessage:
+        def header(reserve: bool) -> bytes:
             return pb.PushMessage(
                 header=pb.PushHeader(
                     lease=pb.Lease(site=c.site), round=r, upload_id=upload_id,
                     manifest=part.manifest.to_proto(), weight=w, base_version=r, reserve=reserve,
                 )
-            )  # fmt: skip
+            ).SerializeToString()  # fmt: skip
 
         def attempt() -> bytes:
             # What the shard holds already (a part resumed after a break), then the rest.
@@ -124,7 +123,7 @@ class ShardRoutes:
             def frames():
                 yield header(False)
                 for offset, data in part.chunks(start, c.chunk_bytes):
-                    yield pb.PushMessage(chunk=pb.Chunk(offset=offset, data=bytes(data)))
+                    yield chunk_frame(offset, data)
 
             reply = self._stubs[i].Push(frames(), timeout=c.transfer_timeout_s)
             if not reply.complete:
@@ -173,17 +172,17 @@ class ShardRoutes:
         def attempt() -> dict[str, torch.Tensor]:
             request = pb.FetchRequest(lease=pb.Lease(site=c.site), version=version)
             header, buf = None, bytearray()
-            for msg in self._stubs[i].Fetch(request, timeout=c.transfer_timeout_s):
-                if msg.HasField("header"):
-                    header = msg.header
+            for frame in self._stubs[i].Fetch(request, timeout=c.transfer_timeout_s):
+                if header is None:
+                    header = pb.FetchHeader.FromString(frame)
                     buf = bytearray(header.manifest.total_bytes)
                     continue
-                data = msg.chunk.data
-                buf[msg.chunk.offset : msg.chunk.offset + len(data)] = data
+                offset, data = parse_chunk(frame)
+                buf[offset : offset + len(data)] = data
             if header is None:
                 raise CoordinatorError(grpc.StatusCode.UNAVAILABLE, f"shard {i}: no header")
             c.bytes_received += len(buf)
-            return unpack(Manifest.from_proto(header.manifest), bytes(buf))
+            return unpack(Manifest.from_proto(header.manifest), buf)
 
         return c.call(f"fetch from shard {i}", attempt)
 
