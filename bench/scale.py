@@ -37,7 +37,8 @@ from pathlib import Path
 from bench.progress import steps
 from bench.sync_run import _wait_address, import_baseline_rss, job_config, watch_peak_rss
 
-WIDTHS = {64: (2048, 4), 256: (4096, 4)}  # MiB -> (width, depth): depth * width^2 * 4 bytes
+# MiB -> (width, depth): depth * width^2 * 4 bytes
+WIDTHS = {64: (2048, 4), 256: (4096, 4), 1024: (8192, 4)}
 
 
 def _client_loop(address: str, name: str, rounds: int, payload, errors: list) -> None:
@@ -159,7 +160,7 @@ def _watch_pid(pid: int, stop: threading.Event) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n")[0])
     p.add_argument("--sites", default="2,4,8,16")
-    p.add_argument("--sizes", default="64,256", help="model sizes in MiB, of 64, 256")
+    p.add_argument("--sizes", default="64,256", help="model sizes in MiB, of 64, 256, 1024")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument(
         "--uploads", default="auto,8", help="server.concurrent_uploads settings (auto: unset)"
