@@ -130,6 +130,24 @@ def probe_of(report: pb.HealthReport) -> Probe:
     return probe
 
 
+def bulk_push_frames(frames):
+    """The header and the ``(offset, bytes)`` chunks of a raw-frame push (``wire.bulk``)."""
+    first = next(frames, None)
+    try:
+        header = pb.PushMessage.FromString(first) if first is not None else None
+    except DecodeError as exc:
+        raise Refused("invalid", f"a push stream starts with a PushHeader ({exc})") from exc
+
+    def chunks():
+        for frame in frames:
+            try:
+                yield parse_chunk(frame)
+            except ChunkError as exc:
+                raise Refused("invalid", str(exc)) from exc
+
+    return header, chunks()
+
+
 def received_ranges(upload) -> list[pb.ByteRange]:
     return [pb.ByteRange(offset=s, length=e - s) for s, e in upload.spans()]
 
@@ -322,20 +340,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def PushBulk(self, frames, context) -> pb.PushReply:
         """``isthmus.v1.Bulk/Push`` (``wire.bulk``): a serialised header, then raw chunks."""
         self._auth(context, "site")
-        first = next(frames, None)
-        try:
-            header = pb.PushMessage.FromString(first) if first is not None else None
-        except DecodeError as exc:
-            raise Refused("invalid", f"a push stream starts with a PushHeader ({exc})") from exc
-
-        def chunks():
-            for frame in frames:
-                try:
-                    yield parse_chunk(frame)
-                except ChunkError as exc:
-                    raise Refused("invalid", str(exc)) from exc
-
-        return self._push(header, chunks(), context)
+        header, chunks = bulk_push_frames(frames)
+        return self._push(header, chunks, context)
 
     def _push(self, first: pb.PushMessage | None, chunks, context) -> pb.PushReply:
         if first is None or first.WhichOneof("kind") != "header":

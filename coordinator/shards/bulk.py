@@ -5,12 +5,9 @@ through protobuf on the way (the protobuf ``Shard.Push`` and ``Shard.Fetch`` sta
 from __future__ import annotations
 
 import grpc
-from google.protobuf.message import DecodeError
 
-from coordinator.records import Refused
-from coordinator.service.servicer import _refusals_to_status
-from wire.bulk import SERVICE, chunk_frame, parse_chunk
-from wire.chunking import ChunkError
+from coordinator.service.servicer import _refusals_to_status, bulk_push_frames
+from wire.bulk import SERVICE, chunk_frame
 from wire.proto import isthmus_pb2 as pb
 
 
@@ -25,20 +22,8 @@ class ShardBulk:
 
     @_refusals_to_status
     def Push(self, frames, context) -> pb.PushReply:  # noqa: N802
-        first = next(frames, None)
-        try:
-            header = pb.PushMessage.FromString(first) if first is not None else None
-        except DecodeError as exc:
-            raise Refused("invalid", f"a push stream starts with a PushHeader ({exc})") from exc
-
-        def chunks():
-            for frame in frames:
-                try:
-                    yield parse_chunk(frame)
-                except ChunkError as exc:
-                    raise Refused("invalid", str(exc)) from exc
-
-        return self.servicer.push(header, chunks(), context)
+        header, chunks = bulk_push_frames(frames)
+        return self.servicer.push(header, chunks, context)
 
     @_refusals_to_status
     def Fetch(self, request: pb.FetchRequest, context):  # noqa: N802
