@@ -75,7 +75,7 @@ class ShardProc:
             [sys.executable, "-m", "coordinator.cli", "shard", "--config", str(self.config)]
             + ["--index", str(self.index), "--shards", str(self.shards)]
             + ["--listen", self.address or "127.0.0.1:0", "--state-dir", str(self.folder)]
-            + ["--key", str(self.key), "--tls-dir", str(self.tls)],
+            + ["--key", str(self.key), "--tls-dir", str(self.tls), "--lead", "lead"],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdout=open(self.log, "ab"),  # noqa: SIM115 - the process holds it

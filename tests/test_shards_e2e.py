@@ -207,6 +207,8 @@ def test_what_a_site_or_the_lead_sends_wrong_changes_nothing(two, pki):
     # only the lead closes a round
     close = pb.ShardCloseRequest(round=0, plan_digest=plan.digest())
     refused(lambda: to("site-a").Close(close, timeout=10), denied, "coordinator certificate")
+    # nor does another coordinator certificate of the job (a shard's own)
+    refused(lambda: to("shards").Close(close, timeout=10), denied, "only the lead ('lead')")
     # a part the shard does not hold
     ghost = pb.ShardCloseRequest(
         round=0,

@@ -39,6 +39,13 @@ def add_shard_parser(sub) -> None:
     p.add_argument(
         "--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="as for serve"
     )
+    p.add_argument(
+        "--lead",
+        default="",
+        metavar="NAME",
+        help="the name in the lead's certificate: only it may close rounds here (default: any "
+        "coordinator certificate of the job)",
+    )
     p.add_argument("--crl", metavar="FILE", help="the CA's revocation list")
     p.add_argument(
         "--parent-pid",
@@ -89,7 +96,7 @@ def run_shard(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     addresses = tuple(a for a in args.addresses.split(",") if a)
-    spec = ShardSpec(args.index, plan, addresses, cfg.server.max_update_bytes)
+    spec = ShardSpec(args.index, plan, addresses, cfg.server.max_update_bytes, args.lead)
     own = plan.names(args.index)
     core = ShardCore(spec, strategy, lambda: initial_theta(cfg.model, own), folder, key)
     server = ShardServer(core, args.listen, bundle, Path(args.crl) if args.crl else None)

@@ -37,7 +37,7 @@ from coordinator.service.servicer import CoordinatorServicer
 from coordinator.service.watchdog import CallWatchdog
 from coordinator.shards.local import ShardLaunch, open_shards
 from wire.config_table import ConfigError
-from wire.identity import Bundle
+from wire.identity import Bundle, identity_of
 from wire.net.grpc_options import server_options
 from wire.net.host_tuning import log_tcp_advice
 
@@ -105,9 +105,10 @@ class CoordinatorServer:
         addresses; the lead's channels to them use this coordinator's certificate."""
         if ha is not None:
             raise ConfigError("[shards] with --ha is not supported yet")
-        if launch is not None:
-            launch = replace(launch, host=self.address.rpartition(":")[0])
         bundle = self.tls.bundle if self.tls is not None else None
+        if launch is not None:
+            lead = identity_of(bundle.cert).name if bundle is not None else ""
+            launch = replace(launch, host=self.address.rpartition(":")[0], lead=lead)
         self.shards, self.local_shards = open_shards(cfg, bundle, launch)
 
     def _bind(self, cfg: JobConfig, listen: str | None) -> None:

@@ -32,6 +32,7 @@ class ShardLaunch:
     host: str
     tls_dir: Path | None  # None: --insecure
     crl: Path | None = None
+    lead: str = ""  # the name in the lead's certificate: the only one that closes rounds
 
 
 class LocalShards:
@@ -84,6 +85,7 @@ class LocalShards:
         key = self.launch.state_dir / "shard.key"
         cmd += ["--state-dir", str(folder), "--key", str(key), *security, *crl, *sets]
         cmd += ["--parent-pid", str(os.getpid())]
+        cmd += ["--lead", self.launch.lead] if self.launch.lead else []
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

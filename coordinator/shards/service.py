@@ -61,12 +61,12 @@ class ShardServicer(pb_grpc.ShardServicer):
         self.metrics = RefusalCounts()
         self.chunk_bytes = DEFAULT_CHUNK_BYTES
 
-    def _auth(self, context, roles: tuple[str, ...], claimed_site: str | None = None) -> None:
+    def _auth(self, context, roles: tuple[str, ...], claimed_site: str | None = None):
+        """The caller's identity (None without TLS) when its certificate has one of ``roles``."""
         problem = None
         for role in roles:
             try:
-                self.authorizer.check(context.auth_context(), role, claimed_site)
-                return
+                return self.authorizer.check(context.auth_context(), role, claimed_site)
             except AuthError as exc:
                 problem = problem or exc
         raise Refused(problem.code, str(problem))
@@ -157,7 +157,13 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     @_refusals_to_status
     def Close(self, request: pb.ShardCloseRequest, context) -> pb.ShardCloseReply:
-        self._auth(context, ("coordinator",))
+        who, lead = self._auth(context, ("coordinator",)), self.core.spec.lead
+        if who is not None and lead and who.name != lead:
+            raise Refused(
+                "denied",
+                f"only the lead ({lead!r}) closes rounds on shard {self.core.spec.index}; this "
+                f"certificate is {who.name!r}",
+            )
         refuse_unknown_fields(request)
         parts = tuple(
             FoldedPart(p.site, p.upload_id, bytes(p.digest), p.weight, p.alpha)

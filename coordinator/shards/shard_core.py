@@ -44,12 +44,14 @@ MAX_PARTS_PER_SITE = 4  # parts of one site held for one round (a restarted site
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """Which shard this is, of which plan, and where every shard serves (for refusals)."""
+    """Which shard this is, of which plan, where every shard serves (for refusals), and who
+    its lead is."""
 
     index: int
     plan: ShardPlan
     addresses: tuple[str, ...] = ()
     max_update_bytes: int = 8 << 30
+    lead: str = ""  # the lead's certificate name: only it closes rounds ("": any coordinator's)
 
     def names(self) -> tuple[str, ...]:
         return self.plan.names(self.index)
