@@ -141,3 +141,20 @@ def test_a_lead_restarted_between_publishing_and_checkpointing_gives_the_same_th
         again.writer.wait()
     finally:
         again.close()
+
+
+def test_status_shows_each_shard_as_it_answers(lead, pki):
+    from coordinator.observe.status import format_status, status_reply
+
+    core, _, shards, plan = lead
+    reply = status_reply(core.snapshot())
+    reply.shards.extend(core.shards.states())
+    text = format_status(reply)
+    mb = plan.bytes_of(1) / 1e6
+    assert f"shard 1 ({shards[1].address}): theta_0, {mb:.1f} MB of tensors" in text
+    shards[1].kill()
+    (state,) = core.shards.states(timeout_s=1.0)
+    assert state.problem.startswith("UNAVAILABLE") or state.problem.startswith("DEADLINE")
+    reply = status_reply(core.snapshot())
+    reply.shards.append(state)
+    assert f"shard 1 ({shards[1].address}): not answering" in format_status(reply)

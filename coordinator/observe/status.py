@@ -169,7 +169,16 @@ def format_status(s: pb.StatusReply) -> str:
     lines.append("")
     lines += _site_table(s.sites)
     lines += [f"drained: {x.site}: {x.drained}" for x in s.sites if x.drained]
+    lines += [_shard_line(x) for x in s.shards]
     return "\n".join(lines)
+
+
+def _shard_line(x: pb.ShardState) -> str:
+    where = f"shard {x.shard} ({x.address})"
+    if x.problem:
+        return f"{where}: not answering: {x.problem}"
+    held = f"{x.parts_held} part(s) of the open round"
+    return f"{where}: theta_{x.version}, {x.bytes / 1e6:.1f} MB of tensors, {held}"
 
 
 def _summary_lines(s: pb.StatusReply) -> list[str]:

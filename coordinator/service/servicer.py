@@ -426,7 +426,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Status(self, request: pb.StatusRequest, context) -> pb.StatusReply:
         self._auth(context, "operator")
         refuse_unknown_fields(request)
-        return status_reply(self.core.snapshot())
+        reply = status_reply(self.core.snapshot())
+        if self.core.shards is not None:  # asked outside the core's lock
+            reply.shards.extend(self.core.shards.states())
+        return reply
 
     @_refusals_to_status
     def Drain(self, request: pb.DrainRequest, context) -> pb.DrainReply:

@@ -192,6 +192,22 @@ class LeadShards:
         """Shards 1..K-1's stubs, in order."""
         return list(self._stubs)
 
+    def states(self, timeout_s: float = 2.0) -> list[pb.ShardState]:
+        """Each other shard as it answers now (``coordinator status``), side by side."""
+
+        def ask(i: int) -> pb.ShardState:
+            state = pb.ShardState(shard=i, address=self.addresses[i])
+            try:
+                reply = self._stubs[i - 1].Status(pb.ShardStatusRequest(), timeout=timeout_s)
+            except grpc.RpcError as exc:
+                state.problem = f"{exc.code().name}: {exc.details()}"
+                return state
+            state.version, state.parts_held = reply.version, reply.parts_held
+            state.bytes = reply.bytes
+            return state
+
+        return self._remote.each(ask, range(1, self.plan.shards))
+
     def shard_map(self) -> pb.ShardMap:
         return pb.ShardMap(
             addresses=list(self.addresses),

@@ -176,5 +176,9 @@ class ShardLead:
             raise RuntimeError(f"shards answered versions {sorted(versions)}, not {want}")
         return [record for r in replies for record in records_from_pb(r.tensors)]
 
+    def each(self, fn, indices) -> list:
+        """``fn(i)`` for each shard index, side by side on the link's threads."""
+        return list(self._pool.map(fn, indices))
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False)

@@ -396,7 +396,7 @@ class SiteStatus(_message.Message):
     def __init__(self, site: _Optional[str] = ..., state: _Optional[str] = ..., token: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., last_update_age_s: _Optional[float] = ..., last_round_pushed: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., phi: _Optional[float] = ..., suspected: _Optional[bool] = ..., data_units: _Optional[_Iterable[str]] = ..., drained: _Optional[str] = ..., health: _Optional[_Union[HealthReport, _Mapping]] = ..., updates_counted: _Optional[int] = ..., late_updates: _Optional[int] = ..., stale_versions: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out", "rejections", "aggregation", "data_mode", "units_committed", "units_pending", "evaluation", "fragments")
+    __slots__ = ("job_name", "round", "sites", "updates_received", "updates_expected", "round_age_s", "waiting_reason", "strategy", "wan_bytes_in", "wan_bytes_out", "rejections", "aggregation", "data_mode", "units_committed", "units_pending", "evaluation", "fragments", "shards")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SITES_FIELD_NUMBER: _ClassVar[int]
@@ -414,6 +414,7 @@ class StatusReply(_message.Message):
     UNITS_PENDING_FIELD_NUMBER: _ClassVar[int]
     EVALUATION_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     round: RoundInfo
     sites: _containers.RepeatedCompositeFieldContainer[SiteStatus]
@@ -431,7 +432,24 @@ class StatusReply(_message.Message):
     units_pending: _containers.RepeatedScalarFieldContainer[str]
     evaluation: Evaluation
     fragments: int
-    def __init__(self, job_name: _Optional[str] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., updates_received: _Optional[int] = ..., updates_expected: _Optional[int] = ..., round_age_s: _Optional[float] = ..., waiting_reason: _Optional[str] = ..., strategy: _Optional[str] = ..., wan_bytes_in: _Optional[int] = ..., wan_bytes_out: _Optional[int] = ..., rejections: _Optional[_Iterable[str]] = ..., aggregation: _Optional[str] = ..., data_mode: _Optional[str] = ..., units_committed: _Optional[_Iterable[str]] = ..., units_pending: _Optional[_Iterable[str]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ..., fragments: _Optional[int] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[ShardState]
+    def __init__(self, job_name: _Optional[str] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., updates_received: _Optional[int] = ..., updates_expected: _Optional[int] = ..., round_age_s: _Optional[float] = ..., waiting_reason: _Optional[str] = ..., strategy: _Optional[str] = ..., wan_bytes_in: _Optional[int] = ..., wan_bytes_out: _Optional[int] = ..., rejections: _Optional[_Iterable[str]] = ..., aggregation: _Optional[str] = ..., data_mode: _Optional[str] = ..., units_committed: _Optional[_Iterable[str]] = ..., units_pending: _Optional[_Iterable[str]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ..., fragments: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardState, _Mapping]]] = ...) -> None: ...
+
+class ShardState(_message.Message):
+    __slots__ = ("shard", "address", "version", "parts_held", "bytes", "problem")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARTS_HELD_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    address: str
+    version: int
+    parts_held: int
+    bytes: int
+    problem: str
+    def __init__(self, shard: _Optional[int] = ..., address: _Optional[str] = ..., version: _Optional[int] = ..., parts_held: _Optional[int] = ..., bytes: _Optional[int] = ..., problem: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("site", "undrain", "reason")
