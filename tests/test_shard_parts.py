@@ -11,7 +11,8 @@ import torch
 from core_helpers import core_config
 
 from coordinator.shards.config import unsupported
-from coordinator.shards.part_store import FoldedPart, PartStore, TensorRecord
+from coordinator.shards.lead import PLAN_FILE, load_or_make_plan
+from coordinator.shards.part_store import FoldedPart, PartStore, PartStoreError, TensorRecord
 from coordinator.shards.receipts import (
     KEY_BYTES,
     PartReceipt,
@@ -129,3 +130,54 @@ def test_a_bad_shards_table_is_refused_naming_the_key(tmp_path, table, words):
     with pytest.raises(ConfigError) as info:
         core_config(tmp_path, shards=table)
     assert words in str(info.value)
+
+
+def test_a_damaged_part_record_is_refused_by_name_and_left_as_it_is(tmp_path):
+    store = PartStore(tmp_path / "parts")
+    _save(store, 1, 1.0)
+    record = tmp_path / "parts" / "v00000001" / "close.json"
+    record.write_text("{not json")
+    with pytest.raises(PartStoreError, match="close.json is damaged") as info:
+        store.latest()
+    assert "restore" in str(info.value)
+    assert record.read_text() == "{not json"  # nothing changed
+
+
+@pytest.mark.parametrize("body", ["{not json", '{"count": 2}', '{"count": 2, "owner": 3}'])
+def test_a_damaged_plan_file_is_refused_by_name(tmp_path, body):
+    path = tmp_path / PLAN_FILE
+    path.write_text(body)
+    with pytest.raises(ValueError, match="shards.json is damaged"):
+        load_or_make_plan(tmp_path, 2, lambda: {"a": 4})
+    assert path.read_text() == body
+
+
+def test_the_plan_is_kept_and_another_count_refused(tmp_path):
+    plan = load_or_make_plan(tmp_path, 2, lambda: {"a": 8, "b": 4, "c": 4})
+    again = load_or_make_plan(tmp_path, 2, lambda: pytest.fail("the plan is read, not made"))
+    assert again == plan
+    with pytest.raises(ValueError, match="split over 2 shards, not 3"):
+        load_or_make_plan(tmp_path, 3, lambda: {"a": 8})
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--index", "5", "--shards", "2"], "--index 5: must be in [0, 1]"),
+        (["--index", "1", "--shards", "2", "--key", "/nonexistent/shard.key"], "copy the lead's"),
+        (["--index", "1", "--shards", "2", "--listen", "nohost"], "--listen nohost"),
+    ],
+)
+def test_a_shard_started_wrong_says_what_to_fix_and_touches_nothing(tmp_path, flags, words):
+    from coord_harness import run_cli
+
+    (tmp_path / "job.toml").write_text(
+        '[job]\nname = "s"\nstate_dir = "state"\n[model]\nfactory = "torch.nn:Linear"\n'
+        'kwargs = { in_features = 4, out_features = 2 }\n[strategy]\nname = "diloco"\n'
+        "[rounds]\ntotal = 2\ninner_steps = 1\n"
+    )
+    listen = [] if "--listen" in flags else ["--listen", "127.0.0.1:0"]
+    got = run_cli("shard", "--config", str(tmp_path / "job.toml"), *flags, *listen, "--insecure")
+    assert got.returncode == 2, got.stderr
+    assert words in got.stderr
+    assert not (tmp_path / "state").exists()

@@ -80,7 +80,8 @@ def run_shard(args: argparse.Namespace) -> int:
     from coordinator.service.server_process import lock_state_dir
     from coordinator.shards.config import unsupported
     from coordinator.shards.lead import load_or_make_plan
-    from coordinator.shards.receipts import KEY_FILE, load_key
+    from coordinator.shards.part_store import PartStoreError
+    from coordinator.shards.receipts import KEY_FILE, ShardKeyError, load_key
     from coordinator.shards.service import ShardServer
     from coordinator.shards.shard_core import ShardCore, ShardSpec
     from strategies import load_strategy
@@ -88,7 +89,10 @@ def run_shard(args: argparse.Namespace) -> int:
     strategy = load_strategy(cfg.strategy.name, cfg.strategy.params)
     if problem := unsupported(cfg, strategy):
         raise ConfigError(problem)
-    key = load_key(Path(args.key) if args.key else cfg.state_dir / KEY_FILE)
+    try:
+        key = load_key(Path(args.key) if args.key else cfg.state_dir / KEY_FILE)
+    except ShardKeyError as exc:
+        raise ConfigError(str(exc)) from exc
     folder = Path(args.state_dir or cfg.state_dir / "shards" / str(args.index)).absolute()
     lock = lock_state_dir(folder)
     try:  # made once, from theta_0's sizes, and kept in the folder as the lead keeps its own
@@ -98,7 +102,10 @@ def run_shard(args: argparse.Namespace) -> int:
     addresses = tuple(a for a in args.addresses.split(",") if a)
     spec = ShardSpec(args.index, plan, addresses, cfg.server.max_update_bytes, args.lead)
     own = plan.names(args.index)
-    core = ShardCore(spec, strategy, lambda: initial_theta(cfg.model, own), folder, key)
+    try:
+        core = ShardCore(spec, strategy, lambda: initial_theta(cfg.model, own), folder, key)
+    except PartStoreError as exc:
+        raise ConfigError(f"shard {args.index}: {exc}") from exc
     server = ShardServer(core, args.listen, bundle, Path(args.crl) if args.crl else None)
     (folder / "address").write_text(f"{server.address}\n")
     _serve_until_stopped(server, args)

@@ -52,14 +52,21 @@ def load_or_make_plan(
     tensor ``sizes`` (name -> bytes)."""
     path = Path(state_dir) / PLAN_FILE
     if path.exists():
-        saved = json.loads(path.read_text())
+        try:
+            saved = json.loads(path.read_text())
+            owner = {str(n): int(i) for n, i in saved["owner"].items()}
+            sizes_kept = {str(n): int(b) for n, b in saved["sizes"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(
+                f"{path} is damaged ({type(exc).__name__}: {exc}): it records how this job's "
+                "model is split over its shards; restore it, or start the job in a new folder"
+            ) from exc
         if saved["count"] != count:
             raise ValueError(
                 f"{path}: this job's model is split over {saved['count']} shards, not {count}: "
                 f"set [shards] count = {saved['count']} (a job keeps its split)"
             )
-        owner = {n: int(i) for n, i in saved["owner"].items()}
-        return ShardPlan(count, owner, {n: int(b) for n, b in saved["sizes"].items()})
+        return ShardPlan(count, owner, sizes_kept)
     plan = plan_shards(dict(sizes()), count)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"count": count, "owner": dict(plan.owner), "sizes": dict(plan.sizes)}

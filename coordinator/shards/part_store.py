@@ -27,6 +27,10 @@ THETA, STRATEGY, CLOSE = "theta.safetensors", "strategy.safetensors", "close.jso
 KEEP = 2
 
 
+class PartStoreError(ValueError):
+    """A saved version that cannot be read; the message says which and what to do."""
+
+
 @dataclass(frozen=True)
 class FoldedPart:
     """One update's part as a close record names it (``ShardPart`` on the wire)."""
@@ -93,20 +97,29 @@ class PartStore:
         return sorted(int(n[1:]) for n in names if n.startswith("v") and n[1:].isdigit())
 
     def load(self, version: int) -> StoredPart | None:
+        """Version ``version`` as saved (None: not saved). Raises ``PartStoreError`` when its
+        record does not read: the folder was whole when renamed, so its disk failed."""
         folder = self._path(version)
         try:
             record = json.loads((folder / CLOSE).read_text())
+            return StoredPart(
+                version,
+                folder,
+                record["round"],
+                tuple(FoldedPart.from_json(p) for p in record["parts"]),
+                tuple(
+                    TensorRecord(n, d, tuple(s), bytes.fromhex(h))
+                    for n, d, s, h in record["tensors"]
+                ),
+            )
         except FileNotFoundError:
             return None
-        return StoredPart(
-            version,
-            folder,
-            record["round"],
-            tuple(FoldedPart.from_json(p) for p in record["parts"]),
-            tuple(
-                TensorRecord(n, d, tuple(s), bytes.fromhex(h)) for n, d, s, h in record["tensors"]
-            ),
-        )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PartStoreError(
+                f"{folder / CLOSE} is damaged ({type(exc).__name__}: {exc}): this shard's "
+                f"theta_{version} cannot be read; restore {self.folder} from a copy (a shard "
+                "keeps its parts on its own disk only)"
+            ) from exc
 
     def latest(self) -> StoredPart | None:
         versions = self.versions()
