@@ -77,6 +77,9 @@ def test_two_shards_end_on_the_model_of_one_process_bit_for_bit(two_shards, one_
     assert same(final, one_process)
     shard = tmp_path / "run" / "coordinator" / "shards" / "1"
     assert sorted(p.name for p in (shard / "parts").iterdir()) == ["v00000001", "v00000002"]
+    # the shard the lead started takes closes from the lead's certificate only
+    log = (shard / "shard.log").read_text()
+    assert "rounds closed by the lead 'coordinator'" in log, log
     # the lead's checkpoint holds its own tensors only; the final model holds them all
     ckpt = load_file(str(tmp_path / "run/coordinator/checkpoints/round-00000002/theta.safetensors"))
     assert 0 < len(ckpt) < len(final)

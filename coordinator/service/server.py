@@ -83,13 +83,7 @@ class CoordinatorServer:
         try:
             self._bind(cfg, listen)
             if cfg.shards.count > 1:
-                if ha is not None:
-                    raise ConfigError("[shards] with --ha is not supported yet")
-                launch = shard_launch and replace(
-                    shard_launch, host=self.address.rpartition(":")[0]
-                )
-                bundle = tls.bundle if tls is not None else None
-                self.shards, self.local_shards = open_shards(cfg, bundle, launch)
+                self._open_shards(cfg, ha, shard_launch)
             if ha is None:
                 self.server.add_generic_rpc_handlers(self._build(cfg))
             else:

@@ -225,12 +225,14 @@ class ShardServer:
 
     def start(self) -> None:
         self.server.start()
+        spec = self.core.spec
         log.info(
-            "shard %d of %d serving theta_%d on %s",
-            self.core.spec.index,
-            self.core.spec.plan.shards,
+            "shard %d of %d serving theta_%d on %s; rounds closed by %s",
+            spec.index,
+            spec.plan.shards,
             self.core.version,
             self.address,
+            f"the lead {spec.lead!r}" if spec.lead else "any coordinator certificate",
         )
 
     def stop(self, grace: float | None = 1.0) -> None:
