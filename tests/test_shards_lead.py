@@ -158,3 +158,19 @@ def test_status_shows_each_shard_as_it_answers(lead, pki):
     reply = status_reply(core.snapshot())
     reply.shards.append(state)
     assert f"shard 1 ({shards[1].address}): not answering" in format_status(reply)
+
+
+def test_a_new_job_whose_shard_does_not_answer_does_not_start(tmp_path, pki):
+    import socket
+
+    from coordinator.persist.local_store import StoreError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    bundle = Bundle.load(pki / "lead")
+    shards = LeadShards(plan_of(2), b"k" * 32, [dead], lambda a: open_channel(a, bundle))
+    cfg = core_config(tmp_path / "lead", model=MODEL, strategy=STRATEGY, rounds={"max_sites": 2})
+    with pytest.raises(StoreError, match="shard 1 .* did not answer .* start every shard"):
+        CoordinatorCore(cfg, clock=Clock(), shards=shards)
+    assert not (tmp_path / "lead" / "state" / "checkpoints" / "round-00000000").exists()

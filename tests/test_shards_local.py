@@ -122,3 +122,38 @@ def test_exporting_a_sharded_checkpoint_is_refused_not_written_half(two_shards):
     assert got.returncode != 0
     assert "split over coordinator shards" in got.stderr and "final/model.safetensors" in got.stderr
     assert not out.exists()
+
+
+def test_a_shard_on_a_host_of_its_own_ends_on_the_same_model(tmp_path, one_process):
+    """The K-hosts path of docs/howto/shards.md: the key and the shard's own certificate made
+    with `coordinator certs`, the shard started by hand before the lead, `[shards] addresses`."""
+    from wire.identity import init_ca, issue
+
+    pki = tmp_path / "run" / "pki"  # coordinator local keeps the bundles it finds there
+    init_ca(pki, "isthmus-local")
+    issue(pki, "coordinator", "coordinator", pki / "coordinator", hosts=("127.0.0.1", "localhost"))
+    issue(pki, "coordinator", "shard-1", pki / "shard-1", hosts=("127.0.0.1",))
+    key = tmp_path / "run" / "coordinator" / "shard.key"  # the lead's state_dir/shard.key
+    made = h.run_cli("certs", "shard-key", "--out", str(key))
+    assert made.returncode == 0 and key.stat().st_mode & 0o777 == 0o600, made.stderr
+    config = job_file(tmp_path, 2)
+    cmd = [*h.coordinator_command(), "shard", "--config", str(config), "--index", "1"]
+    cmd += ["--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "shard-1")]
+    cmd += ["--key", str(key), "--tls-dir", str(pki / "shard-1"), "--lead", "coordinator"]
+    log = open(tmp_path / "shard-1.log", "wb")  # noqa: SIM115 - the process holds it
+    shard = subprocess.Popen(cmd, cwd=h.REPO, env=h.subprocess_env(), stdout=log, stderr=log)
+    try:
+        address_file = tmp_path / "shard-1" / "address"
+        deadline = time.monotonic() + 60
+        while not address_file.exists() and shard.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert address_file.exists(), (tmp_path / "shard-1.log").read_text()
+        job = tomllib.loads(config.read_text())
+        job["shards"]["addresses"] = [address_file.read_text().strip()]
+        config.write_text(tomli_w.dumps(job))
+        assert same(run_local(tmp_path, config), one_process)
+        assert not (tmp_path / "run" / "coordinator" / "shards").exists()  # none started here
+    finally:
+        shard.terminate()
+        shard.wait(10)
+        log.close()

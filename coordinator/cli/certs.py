@@ -7,6 +7,7 @@
     coordinator certs issue --site site-a               # -> pki/sites/site-a
     coordinator certs operator --name alice             # -> pki/operators/alice
     coordinator certs revoke --site site-a              # rewrites pki/crl.pem
+    coordinator certs shard-key --out pki/shard.key      # the key of coordinator shards' receipts
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def add_certs_parser(sub) -> None:
     who.add_argument("--site")
     who.add_argument("--operator")
     rv.add_argument("--ca", default="pki", metavar="DIR")
+    key = csub.add_parser(
+        "shard-key",
+        help="the key coordinator shards sign their receipts with ([shards] on several hosts: "
+        "copy it to the lead's state_dir/shard.key and to each shard host)",
+    )
+    key.add_argument("--out", default="pki/shard.key", metavar="FILE", help="(mode 0600)")
 
 
 def run_certs(args: argparse.Namespace) -> int:
@@ -58,6 +65,13 @@ def run_certs(args: argparse.Namespace) -> int:
     if action == "init":
         folder = init_ca(args.out, args.job, args.days)
         print(f"job CA created in {folder} (keep {folder}/ca-key.pem private)")
+        return 0
+    if action == "shard-key":
+        from coordinator.shards.receipts import create_key
+
+        existed = Path(args.out).exists()
+        create_key(Path(args.out))
+        print(f"shard key {'kept' if existed else 'written'} at {args.out} (mode 0600)")
         return 0
     if action == "revoke":
         role, name = ("site", args.site) if args.site else ("operator", args.operator)

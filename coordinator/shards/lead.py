@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from coordinator.persist.local_store import write_atomic
+from coordinator.persist.local_store import StoreError, write_atomic
 from coordinator.records import PushHeader, Refused
 from coordinator.shards.link import CountedUpdate, ShardLead
 from coordinator.shards.part_store import TensorRecord
@@ -127,9 +127,15 @@ class LeadShards:
         ``version`` (theta_0 at a job's first start: the lead never reads their tensors)."""
         out = []
         for i, stub in enumerate(self._stubs, start=1):
-            reply = stub.Status(pb.ShardStatusRequest(), timeout=60)
+            try:
+                reply = stub.Status(pb.ShardStatusRequest(), timeout=60)
+            except grpc.RpcError as exc:
+                raise StoreError(
+                    f"shard {i} ({self.addresses[i]}) did not answer ({exc.code().name}: "
+                    f"{exc.details()}): start every shard before the lead"
+                ) from exc
             if reply.version != version or reply.plan_digest != self.plan.digest():
-                raise ValueError(
+                raise StoreError(
                     f"shard {i} ({self.addresses[i]}) serves theta_{reply.version} of plan "
                     f"{reply.plan_digest}, not theta_{version} of {self.plan.digest()}: give "
                     "it this job's config and a fresh folder"
