@@ -58,3 +58,32 @@ def test_a_tensor_without_a_shard_is_refused():
         split_payload(payload, {n: 0 for n in "abcd"}, 2)
     with pytest.raises(PayloadError, match="has no shard"):
         split_payload(payload, {**OWNER, "d": 5}, 3)
+
+
+def test_a_chunk_lands_in_the_tensors_it_overlaps_and_nowhere_else():
+    from wire.chunking import tensor_pieces
+
+    update = _update()
+    manifest, payload = pack(update)
+    entries = sorted(manifest.entries, key=lambda e: e.offset)
+    rebuilt = {e.name: bytearray(e.nbytes) for e in entries}
+    raw = bytes(payload)
+    for start in range(0, len(raw), 37):  # chunks that cut tensors and padding anywhere
+        for e, inside, piece in tensor_pieces(entries, start, raw[start : start + 37]):
+            rebuilt[e.name][inside : inside + len(piece)] = piece
+    for e in entries:
+        assert bytes(rebuilt[e.name]) == raw[e.offset : e.offset + e.nbytes]
+
+
+def test_a_layout_from_names_dtypes_and_shapes_is_the_one_of_the_tensors():
+    from wire.safetensors_io import canonical_order, contiguous_manifest, layout_of
+    from wire.tensors import dtype_name
+
+    tensors = {
+        "w": torch.zeros(3, 4),
+        "steps": torch.zeros(5, dtype=torch.int64),
+        "h": torch.zeros(2, dtype=torch.bfloat16),
+        "a": torch.zeros(7),
+    }
+    specs = [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
+    assert layout_of(specs) == contiguous_manifest(tensors, canonical_order(tensors))

@@ -63,3 +63,15 @@ class BufferSink:
 
     def payload_view(self) -> memoryview:
         return memoryview(self.buffer)
+
+
+def tensor_pieces(entries, start: int, data) -> Iterator[tuple[object, int, memoryview]]:
+    """Where a chunk's bytes go: ``(entry, offset inside the entry, bytes)`` for each tensor
+    entry of a payload (``entries`` sorted by offset) that the chunk ``data`` at payload
+    offset ``start`` overlaps. Padding between entries goes nowhere."""
+    view = memoryview(data).cast("B")
+    end = start + len(view)
+    for e in entries:
+        lo, hi = max(start, e.offset), min(end, e.offset + e.nbytes)
+        if lo < hi:
+            yield e, lo - e.offset, view[lo - start : hi - start]

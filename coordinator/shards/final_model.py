@@ -9,16 +9,16 @@ model's size: a model-sized buffer here would undo what the shards are for.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from coordinator.shards.part_store import TensorRecord
+from wire.chunking import tensor_pieces
 from wire.digest import Hasher
 from wire.proto import isthmus_pb2 as pb
-from wire.safetensors_io import header_bytes, read_header
-from wire.tensors import DTYPES, Manifest, PayloadError, TensorEntry
+from wire.safetensors_io import header_bytes, layout_of, read_header
+from wire.tensors import Manifest, PayloadError
 
 FETCH_TIMEOUT_S = 3600.0
 
@@ -28,17 +28,9 @@ class PartMismatch(ValueError):
 
 
 def layout(own: Manifest, others: Sequence[TensorRecord]) -> Manifest:
-    """Every tensor back to back, largest element size first, then by name (the order
-    ``wire.safetensors_io.canonical_order`` gives)."""
-    items = [(e.name, e.dtype, tuple(e.shape)) for e in own.entries]
-    items += [(r.name, r.dtype, tuple(r.shape)) for r in others]
-    items.sort(key=lambda x: (-DTYPES[x[1]].itemsize, x[0]))
-    entries, offset = [], 0
-    for name, dtype, shape in items:
-        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
-        entries.append(TensorEntry(name, dtype, shape, offset, nbytes))
-        offset += nbytes
-    return Manifest(tuple(entries), offset)
+    """Every tensor back to back in canonical order (``wire.safetensors_io.layout_of``)."""
+    specs = [(e.name, e.dtype, tuple(e.shape)) for e in own.entries]
+    return layout_of(specs + [(r.name, r.dtype, tuple(r.shape)) for r in others])
 
 
 def write_model(
@@ -89,13 +81,8 @@ def _stream_part(f, stub, version: int, at: dict[str, int], expected: dict[str, 
             )
             hashers = {e.name: Hasher() for e in entries}
             continue
-        start, data = msg.chunk.offset, memoryview(msg.chunk.data)
-        for e in entries:  # the tensors this chunk overlaps
-            lo, hi = max(start, e.offset), min(start + len(data), e.offset + e.nbytes)
-            if lo >= hi:
-                continue
-            piece = data[lo - start : hi - start]
-            os.pwrite(f.fileno(), piece, at[e.name] + lo - e.offset)
+        for e, inside, piece in tensor_pieces(entries, msg.chunk.offset, msg.chunk.data):
+            os.pwrite(f.fileno(), piece, at[e.name] + inside)
             hashers[e.name].update(piece)
     for name, h in hashers.items():
         if expected.pop(name, None) != h.digest():

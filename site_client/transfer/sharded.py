@@ -25,9 +25,10 @@ from site_client.agent.update_payload import UpdatePayload
 from site_client.errors import CoordinatorError
 from site_client.transfer.theta import MAX_RESTARTS, GlobalState
 from wire.bulk import BulkStub, chunk_frame, parse_chunk
-from wire.digest import Hasher, state_digest
+from wire.chunking import tensor_pieces
+from wire.digest import Hasher, dtype_name, state_digest
 from wire.proto import isthmus_pb2 as pb
-from wire.safetensors_io import canonical_order, contiguous_manifest, create_mapped
+from wire.safetensors_io import MappedTensors, create_mapped, layout_of
 from wire.tensors import ALIGN, Manifest, PayloadError, unpack
 
 log = logging.getLogger("isthmus.site")
@@ -137,12 +138,17 @@ class ShardRoutes:
 
     def fetch(self, version: int | None, dest: Path | None) -> GlobalState:
         """theta whole: the coordinator's part, then the shards' of the same version; started
-        over when the round closes in between (unless ``version`` was asked for)."""
+        over when the round closes in between (unless ``version`` was asked for). With
+        ``dest`` every part streams straight into the one theta file there."""
         for _ in range(MAX_RESTARTS):
             part_file = dest.with_name(dest.name + ".part0") if dest is not None else None
             own = self.client.theta.fetch(version, None, part_file)
             try:
-                others = self.fetch_parts(own.version)
+                if dest is None:
+                    whole, file = self.assemble(own.theta, self.fetch_parts(own.version)), None
+                else:
+                    file = self._into_file(own, dest)
+                    whole = file.tensors
             except CoordinatorError as exc:
                 if exc.code != grpc.StatusCode.NOT_FOUND or version is not None:
                     raise
@@ -151,11 +157,70 @@ class ShardRoutes:
             finally:
                 if part_file is not None:
                     part_file.unlink(missing_ok=True)  # its mapping lives while it is read
-            whole, file = self.assemble(own.theta, others, own.theta_hash, dest)
+            if state_digest(whole) != own.theta_hash:
+                raise CoordinatorError(
+                    grpc.StatusCode.DATA_LOSS,
+                    "fetch: theta assembled from the shards does not match its state digest",
+                )
             return GlobalState(own.version, whole, own.theta_hash, dest, file)
         raise CoordinatorError(
             grpc.StatusCode.NOT_FOUND, f"fetch: theta changed {MAX_RESTARTS} times during one fetch"
         )
+
+    def _into_file(self, own: GlobalState, dest: Path) -> MappedTensors:
+        """theta's file at ``dest``, laid out from every part's manifest (each shard's header
+        asked for first), the coordinator's tensors copied in and every shard's streamed into
+        place: a chunk at a time, never a part in memory."""
+        jobs = [self._pool.submit(self._manifest_of, i, own.version) for i in range(1, self.k)]
+        parts = {i: job.result() for i, job in zip(range(1, self.k), jobs, strict=True)}
+        specs = [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in own.theta.items()]
+        specs += [(e.name, e.dtype, tuple(e.shape)) for m in parts.values() for e in m.entries]
+        file = create_mapped(dest, layout_of(specs))
+        for name, t in own.theta.items():
+            file.tensors[name].copy_(t)
+        view = file.payload()
+        at = {e.name: e.offset for e in file.manifest.entries}
+        streams = [
+            self._pool.submit(self._stream_one, i, own.version, parts[i], view, at) for i in parts
+        ]
+        for job in streams:
+            job.result()
+        return file
+
+    def _manifest_of(self, i: int, version: int) -> Manifest:
+        c = self.client
+
+        def attempt() -> Manifest:
+            request = pb.FetchRequest(lease=pb.Lease(site=c.site), version=version)
+            call = self._stubs[i].Fetch(request, timeout=c.rpc_timeout_s)
+            try:
+                header = pb.FetchHeader.FromString(next(call))
+            finally:
+                call.cancel()  # the header is all this call is for
+            return Manifest.from_proto(header.manifest)
+
+        return c.call(f"fetch from shard {i}", attempt)
+
+    def _stream_one(self, i: int, version: int, part: Manifest, view, at) -> None:
+        c = self.client
+        entries = sorted(part.entries, key=lambda e: e.offset)
+
+        def attempt() -> None:  # a break starts the part again: its bytes land where they did
+            request = pb.FetchRequest(lease=pb.Lease(site=c.site), version=version)
+            frames = iter(self._stubs[i].Fetch(request, timeout=c.transfer_timeout_s))
+            header = pb.FetchHeader.FromString(next(frames))
+            if Manifest.from_proto(header.manifest).entries != part.entries:
+                raise CoordinatorError(
+                    grpc.StatusCode.NOT_FOUND, f"shard {i}: its part changed during the fetch"
+                )
+            for frame in frames:
+                offset, data = parse_chunk(frame)
+                for e, inside, piece in tensor_pieces(entries, offset, data):
+                    start = at[e.name] + inside
+                    view[start : start + len(piece)] = piece
+                c.bytes_received += len(data)
+
+        c.call(f"fetch from shard {i}", attempt)
 
     def fetch_parts(self, version: int) -> dict[str, torch.Tensor]:
         """Every other shard's tensors of theta_``version``; ``NOT_FOUND`` when a shard
@@ -186,27 +251,10 @@ class ShardRoutes:
 
         return c.call(f"fetch from shard {i}", attempt)
 
-    def assemble(
-        self, own: Mapping[str, torch.Tensor], others: Mapping[str, torch.Tensor],
-        theta_hash: bytes, dest: Path | None,
-    ):  # fmt: skip
-        """theta whole (in a file at ``dest`` laid out as theta, when given), checked against
-        its state digest; ``(tensors, mapped file or None)``."""
-        whole = {**own, **others}
-        if dest is not None:
-            manifest = contiguous_manifest(whole, canonical_order(whole))
-            file = create_mapped(dest, manifest)
-            for name, t in whole.items():
-                file.tensors[name].copy_(t)
-            whole = file.tensors
-        else:
-            file = None
-        if state_digest(whole) != theta_hash:
-            raise CoordinatorError(
-                grpc.StatusCode.DATA_LOSS,
-                "fetch: theta assembled from the shards does not match its state digest",
-            )
-        return whole, file
+    @staticmethod
+    def assemble(own: Mapping[str, torch.Tensor], others: Mapping[str, torch.Tensor]) -> dict:
+        """theta whole in memory (no file asked for: a caller that keeps it itself)."""
+        return {**own, **others}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
