@@ -14,7 +14,7 @@ from wire.proto import isthmus_pb2 as pb
 def _channel(tmp_path) -> tuple[AgentState, TrainerChannel]:
     state = AgentState("site-a")
     cfg = AgentConfig("site-a", tmp_path / "run", tmp_path / "shm", wait_poll_s=0.05)
-    (tmp_path / "run").mkdir()
+    (tmp_path / "run").mkdir(parents=True)
     return state, TrainerChannel(state, cfg)
 
 
@@ -123,3 +123,35 @@ def test_a_drained_site_does_not_fetch_the_final_theta_while_it_leaves(tmp_path)
     assert wan.work() == "fetch"
     _drain(state, info)
     assert wan.work() is None
+
+
+def test_a_transfer_ended_by_the_site_leaving_is_not_reported_as_its_failure(tmp_path, monkeypatch):
+    """The site stops (its trainers failed, say) and leaves while a fetch is under way: the
+    fetch then fails with "this site has left the job", a consequence; what the site reports
+    stays the cause. A transfer that fails while the site runs is still its failure."""
+    from site_client.agent.wan import WanWorker
+    from site_client.errors import CoordinatorError
+
+    state, channel = _channel(tmp_path / "leaving")
+    wan = WanWorker(state, client=None, cfg=channel.cfg, compression=None, codec_state=None)
+    state.heard(pb.RoundInfo(round=3, version=3, finished=True), [])  # the final theta is due
+
+    def fetch_while_the_site_leaves():
+        with state.cond:
+            state.stopping = True  # SiteAgent.stop, then client.leave
+        raise CoordinatorError(None, "fetch: this site has left the job")
+
+    monkeypatch.setattr(wan, "fetch", fetch_while_the_site_leaves)
+    wan.loop(0.01)
+    assert state.error is None
+
+    state, channel = _channel(tmp_path / "running")
+    wan = WanWorker(state, client=None, cfg=channel.cfg, compression=None, codec_state=None)
+    state.heard(pb.RoundInfo(round=3, version=3, finished=True), [])  # the final theta is due
+
+    def fetch_fails():
+        raise CoordinatorError(None, "fetch: the coordinator refused it")
+
+    monkeypatch.setattr(wan, "fetch", fetch_fails)
+    wan.loop(0.01)
+    assert state.error == "WAN transfer failed: fetch: the coordinator refused it"

@@ -73,6 +73,9 @@ class WanWorker:
                 elif work == "push":
                     self.push()
         except (CoordinatorError, DeadlineExceeded, OSError) as exc:
+            if state.stopping:  # the site left meanwhile (its trainers failed, say): not a cause
+                log.info("[%s] WAN transfer ended as the site stops: %s", self.cfg.site, exc)
+                return
             state.fail(f"WAN transfer failed: {exc}")
 
     def work(self) -> str | None:
