@@ -253,7 +253,10 @@ def test_a_delta_comes_over_k_streams_too(coord, pki, site):
     one, n1 = fetch_with(site, 1, held=held)
     many, nk = fetch_with(site, 2, held=held)
     assert one.version == many.version == 1 and n1 < whole // 3  # int8: a delta came
-    assert nk == n1 + 1 and many.theta_hash == one.theta_hash == state_digest(many.theta)
+    # The 1-byte probe, and at most one chunk again: on a loaded machine the idle stream may
+    # take over the end of the other's piece (the endgame), as test_node_fetch allows too.
+    assert nk - (n1 + 1) in (0, site.chunk_bytes), (nk, n1)
+    assert many.theta_hash == one.theta_hash == state_digest(many.theta)
     for name, tensor in one.theta.items():
         assert torch.equal(many.theta[name], tensor)
     # Ranges are checked against the payload served, the delta, not theta.
