@@ -1,5 +1,8 @@
 """Coordinator shards as real processes (``coordinator shard``) over mutual TLS, a site's and
-the lead's stubs to them, and the one-process coordinator that gives the theta they must match."""
+the lead's stubs to them, and the one-process coordinator that gives the theta they must match.
+
+The site here is a plain one over the protobuf ``Shard.Push`` and ``Shard.Fetch`` (the agent
+uses the raw-frame bulk methods, ``site_client.transfer.sharded``): both are served."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +23,10 @@ from coordinator.model_source import initial_theta
 from coordinator.shards.receipts import KEY_FILE, create_key
 from wire.identity import Bundle, init_ca, issue
 from wire.net.channel import open_channel
+from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.shard_plan import ShardPlan, plan_shards
+from wire.tensors import Manifest, pack, unpack
 
 ROOT = Path(__file__).resolve().parents[1]
 SITES = ("site-a", "site-b")
@@ -162,3 +168,72 @@ class OneProcess:
     def close(self) -> None:
         self.core.writer.wait()
         self.core.events.close()
+
+
+CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Part:
+    """One shard's part of an update, laid out."""
+
+    shard: int
+    manifest: Manifest
+    payload: memoryview
+
+
+def split_update(tensors: Mapping[str, torch.Tensor], plan: ShardPlan) -> list[Part]:
+    """``tensors`` (the update) cut into one raw payload per shard, by ``plan``."""
+    out = []
+    for i in range(plan.shards):
+        own = {n: tensors[n] for n in plan.names(i) if n in tensors}
+        manifest, payload = pack(own)
+        out.append(Part(i, manifest, payload))
+    return out
+
+
+def push_part(
+    stub: pb_grpc.ShardStub,
+    site: str,
+    round_number: int,
+    upload_id: str,
+    part: Part,
+    weight: float,
+    timeout: float = 600.0,
+) -> pb.PushReply:
+    """Push ``part`` whole on one stream; the reply carries the shard's receipt."""
+    header = pb.PushHeader(
+        lease=pb.Lease(site=site),
+        round=round_number,
+        upload_id=upload_id,
+        manifest=part.manifest.to_proto(),
+        weight=weight,
+        base_version=round_number,
+    )
+
+    def frames():
+        yield pb.PushMessage(header=header)
+        data = part.payload
+        for offset in range(0, len(data), CHUNK_BYTES):
+            chunk = bytes(data[offset : offset + CHUNK_BYTES])
+            yield pb.PushMessage(chunk=pb.Chunk(offset=offset, data=chunk))
+
+    return stub.Push(frames(), timeout=timeout)
+
+
+def fetch_part(
+    stub: pb_grpc.ShardStub, site: str, timeout: float = 600.0
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """The version a shard serves and its tensors of that theta."""
+    header, buf = None, bytearray()
+    for msg in stub.Fetch(pb.FetchRequest(lease=pb.Lease(site=site)), timeout=timeout):
+        if msg.HasField("header"):
+            header = msg.header
+            buf = bytearray(header.manifest.total_bytes)
+        else:
+            data = msg.chunk.data
+            buf[msg.chunk.offset : msg.chunk.offset + len(data)] = data
+    if header is None:
+        raise ValueError("the shard's fetch stream ended before its header")
+    manifest = Manifest.from_proto(header.manifest)
+    return header.version, unpack(manifest, bytes(buf))

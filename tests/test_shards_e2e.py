@@ -10,22 +10,19 @@ import torch
 from shard_helpers import (
     SITES,
     OneProcess,
+    Part,
     delta,
+    fetch_part,
     make_pki,
     plan_of,
+    push_part,
+    split_update,
     start_shards,
     stub,
     theta_0,
 )
 
-from coordinator.shards.link import (
-    CountedUpdate,
-    Part,
-    ShardLead,
-    fetch_part,
-    push_part,
-    split_update,
-)
+from coordinator.shards.link import CountedUpdate, ShardLead
 from coordinator.shards.receipts import load_key
 from wire.proto import isthmus_pb2 as pb
 

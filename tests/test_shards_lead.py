@@ -14,6 +14,8 @@ from shard_helpers import (
     delta,
     make_pki,
     plan_of,
+    push_part,
+    split_update,
     start_shards,
     stub,
     theta_0,
@@ -22,7 +24,6 @@ from shard_helpers import (
 from coordinator.core import CoordinatorCore
 from coordinator.records import PushHeader, Refused
 from coordinator.shards.lead import LeadShards
-from coordinator.shards.link import push_part, split_update
 from coordinator.shards.receipts import load_key
 from wire.identity import Bundle
 from wire.net.channel import open_channel

@@ -31,9 +31,9 @@ import torch
 from coordinator.persist.local_store import StoreError, write_atomic
 from coordinator.records import PushHeader, Refused
 from coordinator.shards.link import CountedUpdate, ShardLead
-from coordinator.shards.part_store import TensorRecord
+from coordinator.shards.part_store import TensorRecord, records_of
 from wire.backoff import BackoffPolicy, next_delay
-from wire.digest import compose, dtype_name, tensor_digests
+from wire.digest import compose
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.shard_plan import ShardPlan, plan_shards
@@ -72,14 +72,6 @@ def load_or_make_plan(
     body = {"count": count, "owner": dict(plan.owner), "sizes": dict(plan.sizes)}
     write_atomic(path, json.dumps(body).encode())
     return plan
-
-
-def records_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorRecord]:
-    digests = tensor_digests(tensors)
-    return [
-        TensorRecord(n, dtype_name(t.dtype), tuple(t.shape), digests[n])
-        for n, t in sorted(tensors.items())
-    ]
 
 
 def records_to_json(records: Sequence[TensorRecord]) -> list:

@@ -1,20 +1,18 @@
-"""Talking to shards: a site's parts up, theta's parts down, the lead's receipts and closes.
+"""The lead's link to shards: the receipts it checks and the closes it sends.
 
-A site cuts its update by the plan (``split_update``: one payload per shard, one upload id for
-all of them) and pushes each part to its shard (``push_part``), which answers with a receipt.
-The lead counts the update only once every receipt checks (``ShardLead.missing_receipts``),
-and closes a round by sending each shard the counted parts in fold order (``ShardLead.close``,
-every shard at once); theta's digest is composed from the shards' per-tensor digests, the value
-one process holding every tensor computes (``wire.digest.compose``).
+A site pushes each part of its update to its shard (``site_client.transfer.sharded``), which
+answers with a receipt. The lead counts the update only once every receipt checks
+(``ShardLead.missing_receipts``), and closes a round by sending each shard the counted parts in
+fold order (``ShardLead.close``, every shard at once); theta's digest is composed from the
+shards' per-tensor digests, the value one process holding every tensor computes
+(``wire.digest.compose``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
-import torch
 
 from coordinator.shards.part_store import TensorRecord
 from coordinator.shards.receipts import PartReceipt, valid
@@ -22,19 +20,9 @@ from wire.digest import compose
 from wire.proto import isthmus_pb2 as pb
 from wire.proto import isthmus_pb2_grpc as pb_grpc
 from wire.shard_plan import ShardPlan
-from wire.tensors import Manifest, pack, unpack
 
 CHUNK_BYTES = 1 << 20
 CLOSE_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True)
-class Part:
-    """One shard's part of an update, laid out."""
-
-    shard: int
-    manifest: Manifest
-    payload: memoryview
 
 
 @dataclass(frozen=True)
@@ -51,63 +39,6 @@ class CountedUpdate:
 def records_from_pb(items) -> list[TensorRecord]:
     """``TensorDigest`` messages as records."""
     return [TensorRecord(t.name, t.dtype, tuple(t.shape), bytes(t.digest)) for t in items]
-
-
-def split_update(tensors: Mapping[str, torch.Tensor], plan: ShardPlan) -> list[Part]:
-    """``tensors`` (the update) cut into one raw payload per shard, by ``plan``."""
-    out = []
-    for i in range(plan.shards):
-        own = {n: tensors[n] for n in plan.names(i) if n in tensors}
-        manifest, payload = pack(own)
-        out.append(Part(i, manifest, payload))
-    return out
-
-
-def push_part(
-    stub: pb_grpc.ShardStub,
-    site: str,
-    round_number: int,
-    upload_id: str,
-    part: Part,
-    weight: float,
-    timeout: float = 600.0,
-) -> pb.PushReply:
-    """Push ``part`` whole on one stream; the reply carries the shard's receipt."""
-    header = pb.PushHeader(
-        lease=pb.Lease(site=site),
-        round=round_number,
-        upload_id=upload_id,
-        manifest=part.manifest.to_proto(),
-        weight=weight,
-        base_version=round_number,
-    )
-
-    def frames():
-        yield pb.PushMessage(header=header)
-        data = part.payload
-        for offset in range(0, len(data), CHUNK_BYTES):
-            chunk = bytes(data[offset : offset + CHUNK_BYTES])
-            yield pb.PushMessage(chunk=pb.Chunk(offset=offset, data=chunk))
-
-    return stub.Push(frames(), timeout=timeout)
-
-
-def fetch_part(
-    stub: pb_grpc.ShardStub, site: str, timeout: float = 600.0
-) -> tuple[int, dict[str, torch.Tensor]]:
-    """The version a shard serves and its tensors of that theta."""
-    header, buf = None, bytearray()
-    for msg in stub.Fetch(pb.FetchRequest(lease=pb.Lease(site=site)), timeout=timeout):
-        if msg.HasField("header"):
-            header = msg.header
-            buf = bytearray(header.manifest.total_bytes)
-        else:
-            data = msg.chunk.data
-            buf[msg.chunk.offset : msg.chunk.offset + len(data)] = data
-    if header is None:
-        raise ValueError("the shard's fetch stream ended before its header")
-    manifest = Manifest.from_proto(header.manifest)
-    return header.version, unpack(manifest, bytes(buf))
 
 
 class ShardLead:

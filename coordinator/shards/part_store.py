@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from coordinator.persist.local_store import fsync_dir
+from wire.digest import dtype_name, tensor_digests
 from wire.safetensors_io import write_tensors
 
 THETA, STRATEGY, CLOSE = "theta.safetensors", "strategy.safetensors", "close.json"
@@ -80,6 +81,15 @@ class StoredPart:
 
     def strategy_state(self) -> dict[str, torch.Tensor]:
         return load_file(str(self.folder / STRATEGY))
+
+
+def records_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorRecord]:
+    """Each tensor's record, in name order (its digest taken as ``wire.digest`` takes it)."""
+    digests = tensor_digests(tensors)
+    return [
+        TensorRecord(n, dtype_name(t.dtype), tuple(t.shape), digests[n])
+        for n, t in sorted(tensors.items())
+    ]
 
 
 class PartStore:

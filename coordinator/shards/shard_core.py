@@ -29,11 +29,10 @@ from coordinator.records import Admission, PushHeader, Refused, UpdateKey, check
 from coordinator.round.accumulate import fold_into
 from coordinator.round.close import step_by_tensor
 from coordinator.round.round_tensors import RoundTensors
-from coordinator.shards.part_store import FoldedPart, PartStore, StoredPart, TensorRecord
+from coordinator.shards.part_store import FoldedPart, PartStore, StoredPart, records_of
 from coordinator.shards.receipts import PartReceipt, sign
 from strategies import Strategy
 from strategies.base import Aggregate, all_finite, call_hook, check_outer_result, steps_in_place
-from wire.digest import dtype_name, tensor_digests
 from wire.safetensors_io import read_header
 from wire.shard_plan import ShardPlan
 from wire.tensors import Manifest, PayloadError
@@ -100,12 +99,8 @@ class ShardCore:
         return self._save(0, theta, None, ())
 
     def _save(self, version, theta, round_number, parts) -> StoredPart:
-        digests = tensor_digests(theta)
-        records = tuple(
-            TensorRecord(n, dtype_name(theta[n].dtype), tuple(theta[n].shape), digests[n])
-            for n in sorted(theta)
-        )
         state = call_hook(self.strategy, "state_dict")
+        records = tuple(records_of(theta))
         return self.parts.save(version, theta, state, round_number, parts, records)
 
     def _serve(self, stored: StoredPart) -> None:
