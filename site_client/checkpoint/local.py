@@ -2,7 +2,8 @@
 
 A checkpoint is a directory: DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files holding the
 model and inner-optimiser state (sharded, keyed by parameter name), plus our JSON manifest with
-the caller's ``extra`` values and a size and SHA-256 for every file. A checkpoint may leave the
+the caller's ``extra`` values and a size and BLAKE3 digest for every file (SHA-256 in
+checkpoints written before it, still read). A checkpoint may leave the
 model out (``with_model=False``: the trainer's checkpoint of a task's end, whose model the next
 theta replaces); it then loads only into an optimiser. DCP reshards on load, so a
 checkpoint written by N trainer processes loads into any M, and also into a plain process with
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -58,9 +60,15 @@ from site_client.checkpoint.collectives import (
     world,
 )
 from site_client.checkpoint.dcp_reader import SafeFileSystemReader
+from site_client.checkpoint.spare import OverwritingFileSystem, keep_spare, take_spare
 
 MANIFEST = "isthmus_site_checkpoint.json"
 _FORMAT = "isthmus-site-checkpoint/1"
+# The manifest's digest of each file: it is checked by the site that wrote it, against damage
+# on its own disk, so BLAKE3 (a third of SHA-256's CPU per byte here); a checkpoint in object
+# storage carries SHA-256, which stores check on upload (``site_client.checkpoint.s3``).
+FILE_DIGEST = "blake3"
+_READ_BLOCK = 8 << 20
 Extra = dict[str, torch.Tensor | int | float]
 
 
@@ -152,9 +160,11 @@ def write_staged(
     tmp = path.parent / f".{path.name}.partial"
     mkdir = lambda: (shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True))  # noqa: E731
     run_on_rank0(mkdir, tmp, group)
+    take_spare(path.parent, tmp, rank(group))
     try:
         with single_process_ok():
             writer = dcp.FileSystemWriter(tmp, sync_files=cfg.fsync)
+            writer.fs = OverwritingFileSystem()  # over the spare file's cached pages
             on_group = {"process_group": group} if group is not None else {}
             dcp.save(staged.state, storage_writer=writer, **on_group)
     except (Exception, CheckpointException) as exc:
@@ -264,7 +274,7 @@ def load_site_checkpoint(
         raise SiteCheckpointError(f"cannot load site checkpoint {path}: {error or 'see rank 0'}")
     if cfg.verify:
         files = manifest["files"]
-        got = _hash_files(path, sorted(files), fsync=False)
+        got = _hash_files(path, sorted(files), False, None, _manifest_algorithm(files))
         bad = [n for n in sorted(files) if got[n] != files[n]]
         if bad:
             raise SiteCheckpointError(f"site checkpoint {path} is corrupt: {bad[0]} does not match")
@@ -311,12 +321,12 @@ def latest_site_checkpoint(directory: str | os.PathLike) -> Path | None:
 
 
 def prune_site_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the ``keep_last`` newest complete checkpoints; call it on one rank only."""
+    """Delete all but the ``keep_last`` newest complete checkpoints, the newest of those
+    deleted kept as the spare files the next write goes over (``spare``); on one rank only."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     doomed = _complete(Path(directory))[:-keep_last]
-    for p in doomed:
-        shutil.rmtree(p)
+    keep_spare(Path(directory), doomed)
     return doomed
 
 
@@ -415,15 +425,20 @@ def _list_files(root: Path) -> list[str]:
 
 
 def _hash_files(
-    root: Path, names: list[str], fsync: bool, group: dist.ProcessGroup | None = None
+    root: Path,
+    names: list[str],
+    fsync: bool,
+    group: dist.ProcessGroup | None = None,
+    algorithm: str = FILE_DIGEST,
 ) -> dict[str, dict[str, Any]]:
-    """Size and SHA-256 of ``names``; each rank hashes every world-th file and all share."""
+    """Size and digest (``algorithm``: ``"blake3"`` or ``"sha256"``) of ``names``; each rank
+    hashes every world-th file and all share."""
     me, ranks = rank(group), world(group)
     table = torch.zeros(len(names), 33, dtype=torch.int64)  # 32 digest bytes, then the size
     for i in range(me, len(names), ranks):
         try:
             with open(root / names[i], "rb") as f:
-                table[i, :32] = torch.tensor(list(hashlib.file_digest(f, "sha256").digest()))
+                table[i, :32] = torch.tensor(list(_file_digest(f, algorithm)))
                 table[i, 32] = os.fstat(f.fileno()).st_size
                 if fsync:
                     os.fsync(f.fileno())
@@ -435,9 +450,24 @@ def _hash_files(
         dist.all_reduce(table, group=group)  # every other rank left this rank's rows at zero
         table = table.cpu()
     return {
-        name: {"size": row[32], "sha256": bytes(row[:32]).hex() if row[32] >= 0 else "missing"}
+        name: {"size": row[32], algorithm: bytes(row[:32]).hex() if row[32] >= 0 else "missing"}
         for name, row in zip(names, table.tolist(), strict=True)
     }
+
+
+def _file_digest(f, algorithm: str) -> bytes:
+    if algorithm == "sha256":  # checkpoints written before BLAKE3
+        return hashlib.file_digest(f, "sha256").digest()
+    hasher = blake3.blake3()
+    while block := f.read(_READ_BLOCK):
+        hasher.update(block)
+    return hasher.digest()
+
+
+def _manifest_algorithm(files: dict[str, Any]) -> str:
+    """The digest a manifest's files carry: BLAKE3 now, SHA-256 in older checkpoints."""
+    specs = [spec for spec in files.values() if isinstance(spec, dict)]
+    return "sha256" if specs and all("sha256" in spec for spec in specs) else FILE_DIGEST
 
 
 def _publish(tmp: Path, path: Path, manifest: dict, fsync: bool) -> None:
