@@ -264,11 +264,13 @@ class SiteSession:
                     f"round {spec.round}: the loop over rnd.steps() stopped after "
                     f"{rnd.completed_steps} of {spec.inner_steps} steps"
                 )
-            self._submit(pieces, theta, spec, rnd, durable=False)
             # The task's end without the model: what follows it loads theta_{r+1}, and were
-            # the update lost before it counted, the task is done again (see ``_redo``).
+            # the update lost before it counted, the task is done again (see ``_redo``). It
+            # starts first: the push's last chunk waits for it, and it reads only the
+            # optimiser's state, which the hand-off of the update below leaves alone.
             end = spec.inner_steps
             self._checkpoint(model, optimizer, rnd, end, task_end=True, model_too=False)
+            self._submit(pieces, theta, spec, rnd, durable=False)
 
     def report(self, **metrics: float) -> None:
         """Send metrics (e.g. validation loss) to the agent's log and ``metrics.jsonl``."""
@@ -321,13 +323,14 @@ class SiteSession:
         task = {"round": rnd.number, "data_unit": rnd.data_unit}
 
         def written(_path) -> None:
+            self._timing("checkpoint_written", started, round=rnd.number, step=step)
             self.ckpt_place.prune(keep_last=2)
             if task_end:
                 self._done_ipc.call("checkpointed", **task)
 
+        started = time.monotonic()
         on_done = written if self.is_driver else None
         path = self.ckpt_place.target(seq)
-        started = time.monotonic()
         # A task's end without the model: nothing changes the optimiser's state before the
         # next task's first step, which waits for the write (``Round.steps``): no copy.
         lean = task_end and not model_too
