@@ -109,3 +109,23 @@ def test_a_finished_job_keeps_only_its_logs(tmp_path):
     shed(tmp_path)
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == ["coordinator.log", "run-0", "run-0/timings.jsonl", "site-0", "site-0/cert.pem"]
+
+
+def test_the_site_checkpoint_bench_writes_both_ways_and_ends_on_its_figures(
+    capsys, tmp_path, monkeypatch
+):
+    from bench.dataplane import site_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    assert site_checkpoint.main(["--size", "1m", "--writes", "3", "--pause", "0"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    figures = dict(item.split("=") for item in last.split())
+    assert set(figures) == {
+        "spare_wall_s",
+        "spare_cpu_s",
+        "new_files_wall_s",
+        "new_files_cpu_s",
+        "new_files_over_spare_cpu",
+    }
+    assert all(float(v) > 0 for v in figures.values())
+    assert list(tmp_path.iterdir()) == []  # its folders are gone
