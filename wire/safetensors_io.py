@@ -237,12 +237,17 @@ def map_tensors(path: Path, writable: bool = False) -> MappedTensors:
 
 
 def create_mapped(
-    path: Path, manifest: Manifest, metadata: Mapping[str, str] | None = None
+    path: Path,
+    manifest: Manifest,
+    metadata: Mapping[str, str] | None = None,
+    reuse: bool = False,
 ) -> MappedTensors:
-    """A new file laid out as ``manifest`` (contiguous), mapped for writing its tensors."""
+    """A new file laid out as ``manifest`` (contiguous), mapped for writing its tensors. With
+    ``reuse``, a file already at ``path`` is written over in place and resized rather than
+    emptied: its pages are kept (what it held stays until the caller writes over it)."""
     path = Path(path)
     head = header_bytes(manifest, metadata)
-    with open(path, "wb") as f:
+    with open(path, "r+b" if reuse and path.is_file() else "wb") as f:
         f.write(head)
         f.truncate(len(head) + manifest.total_bytes)
     return map_tensors(path, writable=True)

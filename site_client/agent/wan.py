@@ -2,6 +2,8 @@
 
 Theta arrives straight into a safetensors file in shared memory (``theta-vN.safetensors``),
 whole or rebuilt from the delta to the version held; the trainers map their own boxes of it.
+The file of the theta before last is written over in place once no process maps it
+(``site_client.agent.theta_spare``).
 An update goes up as the trainers' shard files, encoded piece by piece
 (``site_client.agent.update_payload``), pushed by ``site_client.agent.pusher``. Its last chunk
 waits until the trainers' checkpoint of the task is on disk: once the coordinator counts the
@@ -26,6 +28,7 @@ from site_client.agent.compression import UplinkCodecs
 from site_client.agent.pusher import TIMINGS, UpdatePusher
 from site_client.agent.state import AgentConfig, AgentState, Offer
 from site_client.agent.tasks import describe, task_of
+from site_client.agent.theta_spare import ThetaSpare
 from site_client.errors import CoordinatorError
 from site_client.timings import record
 from site_client.transfer.theta import GlobalState
@@ -52,6 +55,7 @@ class WanWorker:
         # The codec of each update (``mode = "adaptive"``: chosen from the pushes before).
         self.codecs = UplinkCodecs(compression, overlap, cfg.site)
         self.pusher = UpdatePusher(state, client, cfg, self.codecs, codec_state, self._measured)
+        self.spare = ThetaSpare(cfg.shm_dir)  # the theta before last, written over by the next
 
     def loop(self, interval_s: float) -> None:
         """The WAN thread: wait for work, do it, until the agent stops or fails."""
@@ -127,7 +131,9 @@ class WanWorker:
             held, name = None, f"{name}-{info.theta_hash.hex()[:12]}"
         started, cpu = time.monotonic(), time.process_time()
         received = self.client.bytes_received
-        got = self._fetch_into(info, held, self.cfg.shm_dir / f"{name}.safetensors")
+        dest = self.cfg.shm_dir / f"{name}.safetensors"
+        over_spare = self.spare.place(dest)
+        got = self._fetch_into(info, held, dest)
         if got is None:
             return
         cpu_s = time.process_time() - cpu
@@ -156,10 +162,11 @@ class WanWorker:
             s=seconds,
             bytes=got_bytes,
             cpu_s=round(cpu_s, 4),
+            over_spare=over_spare,
         )
         if previous is not None and previous.theta_path != str(got.path):
-            # Trainers still reading it keep their mapping: the file goes once they let go.
-            Path(previous.theta_path).unlink(missing_ok=True)
+            # Trainers may still read it: kept, and written over only once none maps it.
+            self.spare.keep(Path(previous.theta_path))
         log.info(
             "[%s] %s theta_%d (%s) in %.2fs",
             self.cfg.site,

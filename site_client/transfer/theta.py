@@ -124,7 +124,9 @@ def _sink_for(manifest: Manifest, delta: bool, dest: Path | None):
     if dest is None or delta:
         return BufferSink(manifest.total_bytes)
     try:
-        return MappedSink(create_mapped(dest, manifest))
+        # Every byte is written (and checked by theta's digest), so a file already at ``dest``
+        # (``site_client.agent.theta_spare``) is written over in place.
+        return MappedSink(create_mapped(dest, manifest, reuse=True))
     except PayloadError:  # not a safetensors layout: keep it in memory
         return BufferSink(manifest.total_bytes)
 
@@ -196,7 +198,7 @@ class ThetaFetcher:
         if dest is None or held.file is None:
             theta = apply_delta(held.theta, manifest, payload)
             return GlobalState(header.version, theta, header.theta_hash)
-        file = create_mapped(dest, held.file.manifest)
+        file = create_mapped(dest, held.file.manifest, reuse=True)
         apply_delta(held.theta, manifest, payload, out=file.tensors)
         return GlobalState(header.version, file.tensors, header.theta_hash, dest, file)
 
