@@ -2,13 +2,16 @@
 
 ::
 
-    python -m bench.sync [--sizes 5m,50m] [--codecs fp32,int8] [--rounds 4] [--keep DIR]
+    python -m bench.sync [--sizes 5m,50m] [--codecs fp32,int8] [--rounds 8] [--warm-up 3]
+                         [--keep DIR]
 
 For each model size (a residual Linear stack) and codec (raw float32 both ways, or int8 up and
 down), a real ``coordinator serve`` and two ``siteclient start`` sites (one FSDP2 trainer each,
 AdamW, site checkpoints every round) run a DiLoCo job on loopback over mutual TLS. A site's
 *outer sync* is the time from the end of its last inner step of round r to theta_{r+1} loaded
-into its model; the table gives the median over rounds and sites, next to a gloo all-reduce of
+into its model; the table gives the median over rounds and sites, the first ``--warm-up``
+rounds left out (a job's steady state: from the fourth, each site checkpoint is written over
+the files of one pruned before), next to a gloo all-reduce of
 the same float32 bytes between two processes measured in the same run (about what torchft's
 DiLoCo sync costs) and the floor of the transport: the same bytes up and down over mutual-TLS
 gRPC with nothing else done to them (``bench.sync_floor``). Then where the time went: the

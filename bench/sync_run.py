@@ -146,10 +146,10 @@ def run_job(folder: Path, size: str, width: int, depth: int, codec: str, args) -
         size,
         codec,
         params,
-        _syncs(folder),
+        _syncs(folder, args.warm_up),
         _round_period(folder),
         peak[0],
-        _phases(folder),
+        _phases(folder, args.warm_up),
     )
 
 
@@ -207,14 +207,15 @@ def _events(folder: Path) -> list[dict]:
     return read_events(path) if path.exists() else []
 
 
-def _syncs(folder: Path) -> list[float]:
-    """End of the last inner step of round r to theta_{r+1} loaded, per site and round."""
+def _syncs(folder: Path, warm_up: int) -> list[float]:
+    """End of the last inner step of round r to theta_{r+1} loaded, per site and round, from
+    round ``warm_up`` on."""
     out = []
     for i in range(2):
         rows = {r["round"]: r for r in _lines(folder / f"run-{i}" / "sync_times.jsonl")}
         for r, row in rows.items():
             nxt = rows.get(r + 1)
-            if "steps_end_wall" in row and nxt is not None:
+            if r >= warm_up and "steps_end_wall" in row and nxt is not None:
                 out.append(nxt["loaded_wall"] - row["steps_end_wall"])
     return out
 
@@ -226,14 +227,17 @@ def _round_period(folder: Path) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
-def _phases(folder: Path) -> dict[str, float]:
-    """Median seconds per phase over the rounds (and sites) after the first."""
+def _phases(folder: Path, warm_up: int) -> dict[str, float]:
+    """Median seconds per phase over the sites' rounds after the first ``warm_up`` (the
+    coordinator's: after its first ``warm_up`` closes)."""
     buckets: dict[str, list[float]] = {}
+    site_buckets: dict[str, list[float]] = {}
 
     def add(name: str, value: float) -> None:
-        buckets.setdefault(name, []).append(value)
+        site_buckets.setdefault(name, []).append(value)
 
     for i in range(2):
+        site_buckets = {}
         run = folder / f"run-{i}"
         for t in _lines(run / "trainer_timings.jsonl"):
             if "s" in t:  # a phase's duration (``steps`` records count steps instead)
@@ -245,10 +249,20 @@ def _phases(folder: Path) -> dict[str, float]:
             if t.get("cpu_s") is not None and t.get("bytes"):
                 # The agent's own CPU over the transfer call, per GB moved (not seconds).
                 add(f"agent {t['kind']}: CPU s/GB", t["cpu_s"] / (t["bytes"] / 1e9))
+        _pool(buckets, site_buckets, warm_up)
+    site_buckets = {}
     for e in _events(folder):
         for name, value in (e.get("phases") or {}).items():
             add(f"coordinator {name.removesuffix('_s').replace('_', ' ')}", value)
-    return {k: statistics.median(v[1:] if len(v) > 2 else v) for k, v in buckets.items()}
+    _pool(buckets, site_buckets, warm_up)
+    return {k: statistics.median(v) for k, v in buckets.items()}
+
+
+def _pool(into: dict[str, list[float]], one_party: dict[str, list[float]], warm_up: int) -> None:
+    """One party's values of each phase, in order, less the first ``warm_up`` (all of them
+    when there are no more)."""
+    for name, values in one_party.items():
+        into.setdefault(name, []).extend(values[warm_up:] or values)
 
 
 def _allreduce_worker(rank: int, numel: int, port: int, out: str) -> None:
@@ -305,7 +319,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sync")
     p.add_argument("--sizes", default="5m,50m", help=f"of {', '.join(SIZES)}")
     p.add_argument("--codecs", default="fp32,int8")
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument(
+        "--warm-up",
+        type=int,
+        default=3,
+        help="rounds left out of the medians (the third's pruning makes the first spare "
+        "site checkpoint files)",
+    )
     p.add_argument("--inner-steps", type=int, default=4)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--keep", type=Path, help="keep the runs' folders (logs, state) here")
