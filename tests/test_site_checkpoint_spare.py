@@ -85,3 +85,20 @@ def test_without_a_spare_of_its_own_a_rank_writes_a_new_file(tmp_path, damage):
     other, other_opt = _trained_plain(seed=2)
     assert load_site_checkpoint(path, other, other_opt) == {"n": 3}
     assert _equal(_snapshot(other, other_opt), _snapshot(model, opt))
+
+
+def test_a_link_where_the_spare_would_be_is_removed_and_never_written_through(tmp_path):
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"keep me" * 100)
+    ckpts = tmp_path / "ckpts"
+    model, opt = _trained_plain(seed=1)
+    for i in (1, 2):
+        save_site_checkpoint(site_checkpoint_path(ckpts, i), model, opt)
+    prune_site_checkpoints(ckpts, keep_last=1)
+    (ckpts / SPARE / DATA).unlink()
+    os.symlink(outside, ckpts / SPARE / DATA)
+    path = save_site_checkpoint(site_checkpoint_path(ckpts, 3), model, opt, {"n": 3})
+    assert outside.read_bytes() == b"keep me" * 100
+    assert not (path / DATA).is_symlink() and not (ckpts / SPARE / DATA).exists()
+    other, other_opt = _trained_plain(seed=2)
+    assert load_site_checkpoint(path, other, other_opt) == {"n": 3}

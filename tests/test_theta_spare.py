@@ -109,3 +109,21 @@ def test_another_file_mapped_is_not_taken_for_it(tmp_path):
         assert not mapped_anywhere(st.st_dev, st.st_ino)
         st = os.stat(other)
         assert mapped_anywhere(st.st_dev, st.st_ino)
+
+
+def test_a_link_or_folder_where_the_spare_would_be_is_never_written_through(tmp_path):
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"keep me" * 100)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    spare = ThetaSpare(shm)
+    os.symlink(outside, shm / SPARE_NAME)
+    assert spare.place(shm / "theta-v2.safetensors") is False
+    assert not (shm / SPARE_NAME).exists() and outside.read_bytes() == b"keep me" * 100
+
+    (shm / SPARE_NAME).mkdir()
+    superseded = shm / "theta-v1.safetensors"
+    write_tensors(superseded, _theta(1))
+    spare.keep(superseded)  # the name is taken: the superseded file goes
+    assert not superseded.exists() and (shm / SPARE_NAME).is_dir()
+    assert spare.place(shm / "theta-v3.safetensors") is False

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -111,15 +112,18 @@ def write_tensors(
     tensors: Mapping[str, torch.Tensor],
     metadata: Mapping[str, str] | None = None,
     fsync: bool = True,
+    reuse: bool = False,
 ) -> Manifest:
     """Write ``tensors`` as a safetensors file at ``path`` (in canonical order); returns the
-    layout of the data section."""
+    layout of the data section. With ``reuse``, a file already at ``path`` is written over in
+    place and cut to the new length, its cached pages kept, rather than emptied first."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     manifest = contiguous_manifest(tensors, canonical_order(tensors))
-    with open(path, "wb") as f:
+    with open(path, "r+b" if reuse and overwritable(path) else "wb") as f:
         f.write(header_bytes(manifest, metadata))
         for e in manifest.entries:
             f.write(tensor_bytes(tensors[e.name]))
+        f.truncate()
         f.flush()
         if fsync:
             os.fsync(f.fileno())
@@ -236,6 +240,15 @@ def map_tensors(path: Path, writable: bool = False) -> MappedTensors:
     return MappedTensors(path, manifest, start, metadata, tensors, array)
 
 
+def overwritable(path: Path) -> bool:
+    """Whether ``path`` is a regular file of its own to write over in place (not a link,
+    whose target a write would reach)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def create_mapped(
     path: Path,
     manifest: Manifest,
@@ -247,7 +260,7 @@ def create_mapped(
     emptied: its pages are kept (what it held stays until the caller writes over it)."""
     path = Path(path)
     head = header_bytes(manifest, metadata)
-    with open(path, "r+b" if reuse and path.is_file() else "wb") as f:
+    with open(path, "r+b" if reuse and overwritable(path) else "wb") as f:
         f.write(head)
         f.truncate(len(head) + manifest.total_bytes)
     return map_tensors(path, writable=True)

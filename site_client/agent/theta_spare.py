@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from pathlib import Path
 
 SPARE_NAME = "theta-spare.safetensors"
@@ -32,18 +33,23 @@ class ThetaSpare:
 
     def keep(self, superseded: Path) -> None:
         """Keep ``superseded`` (a theta no longer offered) as the spare, replacing any other."""
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.replace(superseded, self.path)
+        except FileNotFoundError:
+            pass
+        except OSError:  # the spare's name is taken by something else: no spare
+            superseded.unlink(missing_ok=True)
 
     def place(self, dest: Path) -> bool:
         """Move the spare to ``dest`` for the next fetch to write over; False (and the spare
         deleted) when there is none or some process still maps it."""
         try:
-            st = self.path.stat()
-        except FileNotFoundError:
+            st = os.lstat(self.path)
+        except OSError:
             return False
-        if mapped_anywhere(st.st_dev, st.st_ino):
-            self.path.unlink(missing_ok=True)
+        if not stat.S_ISREG(st.st_mode) or mapped_anywhere(st.st_dev, st.st_ino):
+            with contextlib.suppress(OSError):  # a folder there stays: never written into
+                self.path.unlink()
             return False
         os.replace(self.path, dest)
         return True

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from wire.safetensors_io import overwritable
+
 SPARE = ".spare"  # hidden: never taken for a checkpoint (``local._complete``)
 _DATA_SUFFIX = ".distcp"
 
@@ -54,9 +56,13 @@ def take_spare(directory: Path, partial: Path, rank: int) -> None:
     """Move ``rank``'s spare data file, if there is one, into ``partial`` (the checkpoint
     being written) under the name DCP gives that rank's file."""
     name = f"__{rank}_0{_DATA_SUFFIX}"
-    # None yet, or another number of ranks wrote the last one: DCP makes a new file.
+    spare = directory / SPARE / name
+    if not overwritable(spare):  # none yet (or of another number of ranks): a new file
+        with contextlib.suppress(OSError):
+            spare.unlink()  # a link or a folder is never moved where DCP writes
+        return
     with contextlib.suppress(FileNotFoundError):
-        os.replace(directory / SPARE / name, partial / name)
+        os.replace(spare, partial / name)
 
 
 class OverwritingFileSystem(FileSystem):
@@ -65,7 +71,7 @@ class OverwritingFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase]:
-        if mode != "wb" or not os.path.isfile(path):
+        if mode != "wb" or not overwritable(Path(path)):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
