@@ -38,6 +38,7 @@ from coordinator.persist.checkpointing import CheckpointWriter
 from coordinator.persist.disk import until_written
 from coordinator.persist.local_store import StoreError
 from coordinator.persist.open_store import open_store
+from coordinator.persist.spare_files import THETA, spare_folder
 from coordinator.persist.theta_writer import ThetaFiles
 from coordinator.records import (
     FatalError,
@@ -176,7 +177,8 @@ class CoordinatorCore:
         self.lanes = FoldLanes(lanes if lanes is not None else default_lanes())
         self.spare = SpareBuffer()  # each round's sum, kept for the next (round.spare_buffer)
         folder = self.cfg.state_dir / "theta"
-        self.theta_files = ThetaFiles(folder, self._folder, self.stopping, self.spare.keep)
+        spare = spare_folder(self.cfg.state_dir) / THETA  # a pruned checkpoint's, to write over
+        self.theta_files = ThetaFiles(folder, self._folder, self.stopping, self.spare.keep, spare)
 
     def _site_control(self) -> SiteControl:
         """Drains and the health rules; in shared-data mode a drained site hands back its units."""

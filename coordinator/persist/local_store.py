@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from coordinator.persist import state_digests
+from coordinator.persist.spare_files import SPARE, STRATEGY, prune_keeping_spares, take_spare
 from coordinator.persist.theta_file import link_or_copy
 from wire.digest import state_digest
 from wire.safetensors_io import map_tensors, write_tensors
@@ -191,7 +192,9 @@ class CheckpointStore:
             place_file(ckpt.theta_file, tmp / "theta.safetensors")
         else:
             write_tensors(tmp / "theta.safetensors", theta)
-        write_tensors(tmp / "strategy.safetensors", strategy_state)
+        strategy_file = tmp / STRATEGY
+        take_spare(self.dir / SPARE / STRATEGY, strategy_file)
+        write_tensors(strategy_file, strategy_state, reuse=True)
         write_tensors(tmp / "downlink.safetensors", downlink)
         write_atomic(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True).encode())
         fsync_dir(tmp)
@@ -205,9 +208,9 @@ class CheckpointStore:
 
     def _prune(self, keep_name: str) -> None:
         done = sorted(p for p in self.dir.glob("round-*") if p.is_dir())
-        for old in done[:-KEEP]:
-            if old.name != keep_name:
-                shutil.rmtree(old, ignore_errors=True)
+        doomed = [old for old in done[:-KEEP] if old.name != keep_name]
+        parking = self.dir / f".tmp-pruned-{os.getpid()}-{next(_counter)}"
+        prune_keeping_spares(doomed, self.dir / SPARE, parking)
 
     def load_latest(self, theta_only: bool = False) -> Checkpoint | None:
         """The newest checkpoint that verifies, or None for a new state folder; with

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator.persist.spare_files import take_spare
 from wire.digest import payload_digest
 from wire.safetensors_io import read_header, write_tensors
 from wire.tensors import Manifest
@@ -75,15 +76,19 @@ class ThetaFile:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-def write_theta_file(folder: Path, version: int, tensors: Mapping[str, torch.Tensor]) -> ThetaFile:
+def write_theta_file(
+    folder: Path, version: int, tensors: Mapping[str, torch.Tensor], spare: Path | None = None
+) -> ThetaFile:
     """Write ``tensors`` (theta's buffer, or a checkpoint's mapped tensors) to
-    ``folder/theta-VERSION.safetensors`` and open it. Written under a temporary name and
-    renamed, so an open file is always whole."""
+    ``folder/theta-VERSION.safetensors`` and open it, over the file ``spare`` where there is
+    one nothing here uses (``coordinator.persist.spare_files``). Written under a temporary
+    name and renamed, so an open file is always whole."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"theta-{version:08d}.safetensors"
     tmp = folder / f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
-        manifest = write_tensors(tmp, tensors, fsync=False)
+        reuse = spare is not None and take_spare(spare, tmp)
+        manifest = write_tensors(tmp, tensors, fsync=False, reuse=reuse)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -41,6 +41,9 @@ class ThetaFiles:
         before any fold of the round that opens after it.
     stopping
         Gives up waiting for disk space (``coordinator.persist.disk.until_written``).
+    spare
+        A pruned checkpoint's theta file, written over by the next theta's file where nothing
+        uses it (``coordinator.persist.spare_files``).
     """
 
     def __init__(
@@ -49,8 +52,10 @@ class ThetaFiles:
         worker: ThreadPoolExecutor,
         stopping: threading.Event,
         let_go: Callable[[torch.Tensor], None] | None = None,
+        spare: Path | None = None,
     ):
         self.folder, self._worker, self._stopping = Path(folder), worker, stopping
+        self._spare = spare
         # Given theta's buffer once its file serves it (``coordinator.round.spare_buffer``).
         self._let_go = let_go
         self.current: ThetaFile | None = None
@@ -90,7 +95,9 @@ class ThetaFiles:
         def job() -> ThetaFile:
             served = held.pop()
             file = until_written(
-                functools.partial(write_theta_file, self.folder, version, served.tensors),
+                functools.partial(
+                    write_theta_file, self.folder, version, served.tensors, self._spare
+                ),
                 f"writing theta_{version} to {self.folder}",
                 self._stopping,
             )
