@@ -2,8 +2,8 @@
 
 ::
 
-    python -m bench.dataplane [--size 50m] [--sites 2] [--rounds 4] [--codec fp32|int8]
-                              [--out DIR]
+    python -m bench.dataplane [--size 50m] [--sites 2] [--rounds 9] [--warm-up 5]
+                              [--codec fp32|int8] [--out DIR]
 
 A real ``coordinator serve`` and ``--sites`` real ``siteclient start`` sites (one FSDP2
 trainer each, the residual stack of ``bench.sync``) run a DiLoCo job over mutual TLS on
@@ -19,9 +19,12 @@ into the windows the agents' ``timings.jsonl`` records give:
   and write it where the trainers map it.
 
 The coordinator's checkpoint (written in the background) is shown on its own, outside the
-data plane's figure. Rounds after the first are measured. Then the floor, on the same machine
-and certificates (``bench.dataplane.floor``): TLS (AES-GCM through the same gRPC stack),
-one memcpy, one pass of the payload digest and one float32 add per byte. The coordinator's
+data plane's figure. The rounds after the first ``--warm-up`` are measured: a long job's steady
+state, in which the coordinator's theta and strategy files and the sites' theta files and
+checkpoints are written over the pages of pruned ones (``coordinator.persist.spare_files``).
+Then the floor, on the same machine and certificates (``bench.dataplane.floor``): TLS
+(AES-GCM through the same gRPC stack), one memcpy, one pass of the payload digest and one
+float32 add per byte. The coordinator's
 floor is TLS receive + memcpy + digest + add per byte received and TLS send per byte served;
 an agent's, TLS send + digest per byte pushed and TLS receive + memcpy + digest per byte
 fetched. The last line::

@@ -20,7 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.dataplane")
     p.add_argument("--size", default="50m", choices=sorted(SIZES))
     p.add_argument("--sites", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument(
+        "--warm-up",
+        type=int,
+        default=5,
+        help="rounds left out (a job's steady state: the coordinator's files go over a pruned "
+        "checkpoint's from the fifth round, the sites' from the third)",
+    )
     p.add_argument("--codec", default="fp32", choices=["fp32", "int8"])
     p.add_argument("--out", type=Path, help="where the figure and the job's logs go")
     p.add_argument("--keep", action="store_true", help="keep the job's state and checkpoints")
@@ -33,7 +40,14 @@ def main(argv: list[str] | None = None) -> int:
         for step in steps(["job", "tls floor", "passes"], lambda s: s):
             if step == "job":
                 job = run_job(
-                    out / "job", width, depth, args.sites, args.rounds, args.codec, sampler
+                    out / "job",
+                    width,
+                    depth,
+                    args.sites,
+                    args.rounds,
+                    args.codec,
+                    sampler,
+                    args.warm_up,
                 )
             elif step == "tls floor":
                 tls = tls_floor(out / "job", job.model_bytes, args.sites, sampler)

@@ -71,6 +71,7 @@ def run_job(
     rounds: int,
     codec: str,
     sampler: Sampler,
+    warm_up: int = 1,
     timeout_s: float = 1800.0,
 ) -> JobRun:
     shutil.rmtree(folder, ignore_errors=True)
@@ -113,7 +114,8 @@ def run_job(
                 p.kill()
         for f in logs:
             f.close()
-    return measure(folder, sites, width * width * depth * 4 + width * depth * 4, sampler)
+    model_bytes = width * width * depth * 4 + width * depth * 4
+    return measure(folder, sites, model_bytes, sampler, warm_up)
 
 
 def _site_cmd(folder: Path, i: int, address: str) -> list[str]:
@@ -142,10 +144,12 @@ def transfers(folder: Path, sites: int, kind: str) -> list[dict]:
     return out
 
 
-def measure(folder: Path, sites: int, model_bytes: int, sampler: Sampler) -> JobRun:
-    """Split the sampled CPU by phase, rounds after the first (the warm-up) only."""
-    pushes = [t for t in transfers(folder, sites, "push") if t["round"] >= 1]
-    fetches = [t for t in transfers(folder, sites, "fetch") if t["version"] >= 2]
+def measure(
+    folder: Path, sites: int, model_bytes: int, sampler: Sampler, warm_up: int = 1
+) -> JobRun:
+    """Split the sampled CPU by phase, rounds after the first ``warm_up`` only."""
+    pushes = [t for t in transfers(folder, sites, "push") if t["round"] >= warm_up]
+    fetches = [t for t in transfers(folder, sites, "fetch") if t["version"] >= warm_up + 1]
     push, close, fetch = Phase(), Phase(), Phase()
     rounds = sorted({t["round"] for t in pushes})
     for r in rounds:
