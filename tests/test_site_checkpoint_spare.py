@@ -102,3 +102,19 @@ def test_a_link_where_the_spare_would_be_is_removed_and_never_written_through(tm
     assert not (path / DATA).is_symlink() and not (ckpts / SPARE / DATA).exists()
     other, other_opt = _trained_plain(seed=2)
     assert load_site_checkpoint(path, other, other_opt) == {"n": 3}
+
+
+@pytest.mark.parametrize("in_the_way", ["a file named .spare", "a pruning cut short"])
+def test_pruning_goes_on_whatever_is_in_the_spares_way(tmp_path, in_the_way):
+    ckpts = tmp_path / "ckpts"
+    model, opt = _trained_plain(seed=1)
+    first = save_site_checkpoint(site_checkpoint_path(ckpts, 1), model, opt)
+    if in_the_way == "a file named .spare":
+        (ckpts / SPARE).write_bytes(b"x")
+    else:
+        (ckpts / f".{first.name}.spare").mkdir()
+        (ckpts / f".{first.name}.spare" / DATA).write_bytes(b"stale")
+    second = save_site_checkpoint(site_checkpoint_path(ckpts, 2), model, opt)
+    assert prune_site_checkpoints(ckpts, keep_last=1) == [first]
+    assert complete_checkpoints(ckpts) == [second]
+    assert (ckpts / SPARE / DATA).is_file() and not list(ckpts.glob(".*.spare"))

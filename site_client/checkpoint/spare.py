@@ -39,17 +39,29 @@ def keep_spare(directory: Path, doomed: list[Path]) -> None:
     as the spare set (replacing the one before)."""
     if not doomed:
         return
-    spare = directory / SPARE
-    shutil.rmtree(spare, ignore_errors=True)
+    for stale in directory.glob(".*.spare"):  # a pruning cut short
+        shutil.rmtree(stale, ignore_errors=True)
     newest = doomed[-1]
     taken = directory / f".{newest.name}.spare"
-    newest.rename(taken)  # out of the complete ones first: a crash leaves no half checkpoint
-    for p in taken.iterdir():
-        if not p.name.endswith(_DATA_SUFFIX):
-            p.unlink()
-    taken.rename(spare)
+    try:
+        newest.rename(taken)  # out of the complete ones first: a crash leaves no half one
+        for p in taken.iterdir():
+            if not (p.name.endswith(_DATA_SUFFIX) and overwritable(p)):
+                _remove(p)
+        _remove(directory / SPARE)
+        taken.rename(directory / SPARE)
+    except OSError:  # no spare this time; the pruning itself goes on
+        shutil.rmtree(taken, ignore_errors=True)
+        shutil.rmtree(newest, ignore_errors=True)
     for p in doomed[:-1]:
         shutil.rmtree(p)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def take_spare(directory: Path, partial: Path, rank: int) -> None:
