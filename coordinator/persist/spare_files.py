@@ -36,7 +36,11 @@ def prune_keeping_spares(doomed: list[Path], spare: Path, parking: Path) -> None
     strategy file, and its theta file when no other name links it, in ``spare``. Each is
     renamed to ``parking`` (a name the store clears at start) before anything is taken out."""
     for i, folder in enumerate(doomed):
-        os.replace(folder, parking)
+        try:
+            os.replace(folder, parking)
+        except OSError:  # pruned as before, without a spare
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
         if i == len(doomed) - 1:
             for name in (STRATEGY, THETA):
                 _keep(parking / name, spare, name)
