@@ -13,8 +13,9 @@ from test_store import _ckpt, _same
 
 from coordinator.persist import local_store as store_mod
 from coordinator.persist.local_store import Checkpoint, CheckpointStore
-from coordinator.persist.spare_files import SPARE, STRATEGY, THETA, in_use_here, take_spare
+from coordinator.persist.spare_files import SPARE, STRATEGY, THETA, take_spare
 from coordinator.persist.theta_file import write_theta_file
+from wire.file_reuse import in_use_here
 from wire.safetensors_io import map_tensors
 
 

@@ -10,7 +10,8 @@ import sys
 
 import torch
 
-from site_client.agent.theta_spare import SPARE_NAME, ThetaSpare, mapped_anywhere
+from site_client.agent.theta_spare import SPARE_NAME, ThetaSpare
+from wire.file_reuse import mapped_anywhere
 from wire.safetensors_io import contiguous_manifest, create_mapped, map_tensors, write_tensors
 
 

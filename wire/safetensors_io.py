@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from wire.digest import Hasher, compose
+from wire.file_reuse import overwritable
 from wire.tensors import (
     DTYPES,
     Manifest,
@@ -238,15 +238,6 @@ def map_tensors(path: Path, writable: bool = False) -> MappedTensors:
         raw = torch.from_numpy(array[start + e.offset : start + e.offset + e.nbytes])
         tensors[e.name] = raw.view(DTYPES[e.dtype]).reshape(e.shape)
     return MappedTensors(path, manifest, start, metadata, tensors, array)
-
-
-def overwritable(path: Path) -> bool:
-    """Whether ``path`` is a regular file of its own to write over in place (not a link,
-    whose target a write would reach)."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def create_mapped(

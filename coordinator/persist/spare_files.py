@@ -16,11 +16,11 @@ of the new file is written, and a checkpoint's files are checked against its rec
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import stat
 from pathlib import Path
+
+from wire import file_reuse
 
 SPARE = ".spare"  # under ``checkpoints/``: hidden, never taken for a checkpoint
 STRATEGY = "strategy.safetensors"
@@ -60,35 +60,6 @@ def _keep(source: Path, spare: Path, name: str) -> None:
 
 
 def take_spare(spare: Path, dest: Path) -> bool:
-    """Move ``spare`` to ``dest`` to be written over; False (and the spare deleted) when there
-    is none or this process still has it open or mapped."""
-    try:
-        st = os.lstat(spare)
-    except OSError:  # none, or its folder is not one
-        return False
-    try:
-        if stat.S_ISDIR(st.st_mode):  # not one this module put there
-            shutil.rmtree(spare)
-            return False
-        if not stat.S_ISREG(st.st_mode):  # a link is removed, never written through
-            spare.unlink()
-            return False
-        if in_use_here(st.st_dev, st.st_ino):
-            spare.unlink(missing_ok=True)
-            return False
-        os.replace(spare, dest)
-    except OSError:
-        return False
-    return True
-
-
-def in_use_here(device: int, inode: int) -> bool:
-    """Whether this process has the file ``(device, inode)`` open or mapped."""
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own among them)
-            st = os.stat(f"/proc/self/fd/{fd}")
-            if (st.st_dev, st.st_ino) == (device, inode):
-                return True
-    want = f"{os.major(device):02x}:{os.minor(device):02x} {inode} "
-    with open("/proc/self/maps") as f:
-        return want in f.read()
+    """Move ``spare`` to ``dest`` to be written over; False (and the spare removed) when there
+    is none, it is no regular file, or this process still has it open or mapped."""
+    return file_reuse.take_spare(spare, dest, file_reuse.in_use_here)

@@ -8,19 +8,19 @@ CPU in zeroing the theta file's new pages alone. So the file theta_{r+1} superse
 here rather than deleted, and theta_{r+2} is fetched into it, in place.
 
 Only when no process maps it: the trainers map theta_r until they load theta_{r+1}, and a
-file written over under a mapping would change what they read. :func:`mapped_anywhere` looks
-for the file's inode in every process's memory maps (``/proc/<pid>/maps``, a few milliseconds);
-a spare still mapped is deleted instead and the fetch makes a new file, as before. Whatever
-was in the spare is never read: the fetch writes every byte of the new theta and checks its
-digest.
+file written over under a mapping would change what they read.
+``wire.file_reuse.mapped_anywhere`` looks for the file's inode in every process's memory maps
+(``/proc/<pid>/maps``, a few milliseconds); a spare still mapped is removed instead and the
+fetch makes a new file, as before. Whatever was in the spare is never read: the fetch writes
+every byte of the new theta and checks its digest.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import stat
 from pathlib import Path
+
+from wire.file_reuse import mapped_anywhere, take_spare
 
 SPARE_NAME = "theta-spare.safetensors"
 
@@ -42,31 +42,5 @@ class ThetaSpare:
 
     def place(self, dest: Path) -> bool:
         """Move the spare to ``dest`` for the next fetch to write over; False (and the spare
-        deleted) when there is none or some process still maps it."""
-        try:
-            st = os.lstat(self.path)
-        except OSError:
-            return False
-        if not stat.S_ISREG(st.st_mode) or mapped_anywhere(st.st_dev, st.st_ino):
-            with contextlib.suppress(OSError):  # a folder there stays: never written into
-                self.path.unlink()
-            return False
-        os.replace(self.path, dest)
-        return True
-
-
-def mapped_anywhere(device: int, inode: int) -> bool:
-    """Whether any process whose maps this one may read maps the file ``(device, inode)``.
-    Those it may not read are other users': the trainers run as the agent's user."""
-    want = f"{os.major(device):02x}:{os.minor(device):02x} {inode} "
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                maps = f.read()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue  # exited meanwhile, or another user's
-        if want in maps:
-            return True
-    return False
+        removed) when there is none or some process still maps it."""
+        return take_spare(self.path, dest, mapped_anywhere)

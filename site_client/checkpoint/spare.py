@@ -18,7 +18,6 @@ checkpoints and one spare set, as much as there was while a third checkpoint was
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import shutil
@@ -28,7 +27,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from wire.safetensors_io import overwritable
+from wire import file_reuse
+from wire.file_reuse import overwritable, remove_any
 
 SPARE = ".spare"  # hidden: never taken for a checkpoint (``local._complete``)
 _DATA_SUFFIX = ".distcp"
@@ -47,8 +47,8 @@ def keep_spare(directory: Path, doomed: list[Path]) -> None:
         newest.rename(taken)  # out of the complete ones first: a crash leaves no half one
         for p in taken.iterdir():
             if not (p.name.endswith(_DATA_SUFFIX) and overwritable(p)):
-                _remove(p)
-        _remove(directory / SPARE)
+                remove_any(p)
+        remove_any(directory / SPARE)
         taken.rename(directory / SPARE)
     except OSError:  # no spare this time; the pruning itself goes on
         shutil.rmtree(taken, ignore_errors=True)
@@ -57,24 +57,12 @@ def keep_spare(directory: Path, doomed: list[Path]) -> None:
         shutil.rmtree(p)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def take_spare(directory: Path, partial: Path, rank: int) -> None:
     """Move ``rank``'s spare data file, if there is one, into ``partial`` (the checkpoint
     being written) under the name DCP gives that rank's file."""
     name = f"__{rank}_0{_DATA_SUFFIX}"
-    spare = directory / SPARE / name
-    if not overwritable(spare):  # none yet (or of another number of ranks): a new file
-        with contextlib.suppress(OSError):
-            spare.unlink()  # a link or a folder is never moved where DCP writes
-        return
-    with contextlib.suppress(FileNotFoundError):
-        os.replace(spare, partial / name)
+    # None yet (or of another number of ranks): DCP makes a new file.
+    file_reuse.take_spare(directory / SPARE / name, partial / name)
 
 
 class OverwritingFileSystem(FileSystem):

@@ -1,0 +1,86 @@
+"""Files written over in place rather than made anew, and the checks that make it safe.
+
+Three parties keep a file that is no longer needed as a *spare* for the next file of its kind
+(a site's checkpoint, the agent's theta, the coordinator's theta and strategy state): writing
+over pages the page cache still holds costs a fraction of new ones (``docs/benchmarks/sync.md``).
+A spare is taken only when it is a regular file of its own (never a link, whose target a write
+would reach) that nothing still reads; whatever else is found in its place is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+InUse = Callable[[int, int], bool]  # (device, inode) -> still read by someone
+
+
+def overwritable(path: Path) -> bool:
+    """Whether ``path`` is a regular file of its own to write over in place."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def remove_any(path: Path) -> None:
+    """Remove ``path`` whatever it is (a folder with what it holds, a link, a file)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def take_spare(spare: Path, dest: Path, in_use: InUse | None = None) -> bool:
+    """Move ``spare`` to ``dest`` to be written over; False when there is none, when it is
+    not a regular file or ``in_use`` says it is still read (then it is removed)."""
+    try:
+        st = os.lstat(spare)
+    except OSError:  # none, or its folder is not one
+        return False
+    try:
+        if not stat.S_ISREG(st.st_mode) or (in_use and in_use(st.st_dev, st.st_ino)):
+            remove_any(spare)
+            return False
+        os.replace(spare, dest)
+    except OSError:
+        return False
+    return True
+
+
+def _maps_line(device: int, inode: int) -> str:
+    """How ``/proc/<pid>/maps`` names a mapping of the file ``(device, inode)``."""
+    return f"{os.major(device):02x}:{os.minor(device):02x} {inode} "
+
+
+def mapped_anywhere(device: int, inode: int) -> bool:
+    """Whether any process whose maps this one may read maps the file ``(device, inode)``.
+    Those it may not read are other users' (a site's trainers run as its agent's user)."""
+    want = _maps_line(device, inode)
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # exited meanwhile, or another user's
+        if want in maps:
+            return True
+    return False
+
+
+def in_use_here(device: int, inode: int) -> bool:
+    """Whether this process has the file ``(device, inode)`` open or mapped."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own among them)
+            continue
+        if (st.st_dev, st.st_ino) == (device, inode):
+            return True
+    with open("/proc/self/maps") as f:
+        return _maps_line(device, inode) in f.read()
