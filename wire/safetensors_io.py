@@ -15,7 +15,6 @@ every tensor starts aligned to its element size and can be viewed where it lies.
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from collections.abc import Iterable, Mapping
@@ -71,13 +70,8 @@ def contiguous_manifest(tensors: Mapping[str, torch.Tensor], order: Iterable[str
 def layout_of(specs: Iterable[tuple[str, str, tuple[int, ...]]]) -> Manifest:
     """The layout ``contiguous_manifest`` gives tensors in ``canonical_order``, from
     ``(name, dtype, shape)`` alone (tensors not held here: another host's)."""
-    items = sorted(specs, key=lambda x: (-DTYPES[x[1]].itemsize, x[0]))
-    entries, offset = [], 0
-    for name, dtype, shape in items:
-        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
-        entries.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
-        offset += nbytes
-    return Manifest(tuple(entries), offset)
+    like = {n: torch.empty(shape, dtype=DTYPES[dtype], device="meta") for n, dtype, shape in specs}
+    return contiguous_manifest(like, canonical_order(like))
 
 
 def header_bytes(manifest: Manifest, metadata: Mapping[str, str] | None = None) -> bytes:

@@ -145,7 +145,7 @@ class ShardRoutes:
             own = self.client.theta.fetch(version, None, part_file)
             try:
                 if dest is None:
-                    whole, file = self.assemble(own.theta, self.fetch_parts(own.version)), None
+                    whole, file = {**own.theta, **self.fetch_parts(own.version)}, None
                 else:
                     file = self._into_file(own, dest)
                     whole = file.tensors
@@ -175,7 +175,8 @@ class ShardRoutes:
         parts = {i: job.result() for i, job in zip(range(1, self.k), jobs, strict=True)}
         specs = [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in own.theta.items()]
         specs += [(e.name, e.dtype, tuple(e.shape)) for m in parts.values() for e in m.entries]
-        file = create_mapped(dest, layout_of(specs))
+        # Every byte is written and checked by theta's digest: a spare there is written over.
+        file = create_mapped(dest, layout_of(specs), reuse=True)
         for name, t in own.theta.items():
             file.tensors[name].copy_(t)
         view = file.payload()
@@ -191,7 +192,7 @@ class ShardRoutes:
         c = self.client
 
         def attempt() -> Manifest:
-            request = pb.FetchRequest(lease=pb.Lease(site=c.site), version=version)
+            request = self._request(version)
             call = self._stubs[i].Fetch(request, timeout=c.rpc_timeout_s)
             try:
                 header = pb.FetchHeader.FromString(next(call))
@@ -206,7 +207,7 @@ class ShardRoutes:
         entries = sorted(part.entries, key=lambda e: e.offset)
 
         def attempt() -> None:  # a break starts the part again: its bytes land where they did
-            request = pb.FetchRequest(lease=pb.Lease(site=c.site), version=version)
+            request = self._request(version)
             frames = iter(self._stubs[i].Fetch(request, timeout=c.transfer_timeout_s))
             header = pb.FetchHeader.FromString(next(frames))
             if Manifest.from_proto(header.manifest).entries != part.entries:
@@ -235,7 +236,7 @@ class ShardRoutes:
         c = self.client
 
         def attempt() -> dict[str, torch.Tensor]:
-            request = pb.FetchRequest(lease=pb.Lease(site=c.site), version=version)
+            request = self._request(version)
             header, buf = None, bytearray()
             for frame in self._stubs[i].Fetch(request, timeout=c.transfer_timeout_s):
                 if header is None:
@@ -251,10 +252,9 @@ class ShardRoutes:
 
         return c.call(f"fetch from shard {i}", attempt)
 
-    @staticmethod
-    def assemble(own: Mapping[str, torch.Tensor], others: Mapping[str, torch.Tensor]) -> dict:
-        """theta whole in memory (no file asked for: a caller that keeps it itself)."""
-        return {**own, **others}
+    def _request(self, version: int) -> pb.FetchRequest:
+        """A shard's part of theta_``version`` (a shard knows a site by its certificate)."""
+        return pb.FetchRequest(lease=pb.Lease(site=self.client.site), version=version)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
