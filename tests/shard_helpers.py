@@ -20,7 +20,8 @@ from core_helpers import Clock, core_config, push
 
 from coordinator.core import CoordinatorCore
 from coordinator.model_source import initial_theta
-from coordinator.shards.receipts import KEY_FILE, create_key
+from coordinator.shards.link import CountedUpdate, ShardLead
+from coordinator.shards.receipts import KEY_FILE, create_key, load_key
 from wire.identity import Bundle, init_ca, issue
 from wire.net.channel import open_channel
 from wire.proto import isthmus_pb2 as pb
@@ -42,6 +43,7 @@ def make_pki(root: Path) -> Path:
     ca = init_ca(root / "ca", "shard-test")
     issue(ca, "coordinator", "shards", root / "shards", hosts=("127.0.0.1", "localhost"))
     issue(ca, "coordinator", "lead", root / "lead", hosts=("127.0.0.1",))
+    issue(ca, "coordinator", "standby", root / "standby", hosts=("127.0.0.1",))
     for site in SITES:
         issue(ca, "site", site, root / site)
     issue(ca, "operator", "ops", root / "ops")
@@ -70,6 +72,8 @@ class ShardProc:
     key: Path
     address: str = ""
     proc: subprocess.Popen | None = None
+    leads: tuple[str, ...] = ("lead",)
+    env: dict[str, str] | None = None  # None: this environment, the repository importable
     log: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -81,9 +85,10 @@ class ShardProc:
             [sys.executable, "-m", "coordinator.cli", "shard", "--config", str(self.config)]
             + ["--index", str(self.index), "--shards", str(self.shards)]
             + ["--listen", self.address or "127.0.0.1:0", "--state-dir", str(self.folder)]
-            + ["--key", str(self.key), "--tls-dir", str(self.tls), "--lead", "lead"],
+            + ["--key", str(self.key), "--tls-dir", str(self.tls)]
+            + [flag for name in self.leads for flag in ("--lead", name)],
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env=self.env or {**os.environ, "PYTHONPATH": str(ROOT)},
             stdout=open(self.log, "ab"),  # noqa: SIM115 - the process holds it
             stderr=subprocess.STDOUT,
         )
@@ -109,13 +114,15 @@ class ShardProc:
                 self.kill()
 
 
-def start_shards(tmp: Path, pki: Path, k: int) -> list[ShardProc]:
+def start_shards(
+    tmp: Path, pki: Path, k: int, leads: tuple[str, ...] = ("lead",)
+) -> list[ShardProc]:
     state = tmp / "lead"
     config = tmp / "job.toml"
     config.write_text(job_toml(state))
     create_key(state / KEY_FILE)
     shards = [
-        ShardProc(i, k, config, tmp / f"shard-{i}", pki / "shards", state / KEY_FILE)
+        ShardProc(i, k, config, tmp / f"shard-{i}", pki / "shards", state / KEY_FILE, leads=leads)
         for i in range(k)
     ]
     for s in shards:  # one after another: each imports torch (in parallel on 2 cores: slower)
@@ -237,3 +244,33 @@ def fetch_part(
         raise ValueError("the shard's fetch stream ended before its header")
     manifest = Manifest.from_proto(header.manifest)
     return header.version, unpack(manifest, bytes(buf))
+
+
+def push_update(shards, pki, site, r, update, plan, upload_id=None):
+    """A site's update cut by the plan and pushed to every shard; the lead's record of it."""
+    upload_id = upload_id or f"{site}-r{r}"
+    parts = split_update(update, plan)
+    receipts = []
+    for part in parts:
+        reply = push_part(
+            stub(shards[part.shard].address, pki, site), site, r, upload_id, part, 1.0
+        )
+        assert reply.complete and reply.receipt
+        receipts.append(reply.receipt)
+    digests = tuple(p.manifest.digest for p in parts)
+    return CountedUpdate(site, upload_id, 1.0, 1.0, digests), receipts
+
+
+def lead_of(shards, pki, plan, who: str = "lead"):
+    """The lead's link to ``shards``, with certificate ``who``."""
+    key = load_key(shards[0].key)
+    return ShardLead([stub(s.address, pki, who) for s in shards], plan, key)
+
+
+def fetch_all(shards, pki) -> tuple[set[int], dict[str, torch.Tensor]]:
+    versions, theta = set(), {}
+    for s in shards:
+        version, tensors = fetch_part(stub(s.address, pki, "site-a"), "site-a")
+        versions.add(version)
+        theta.update(tensors)
+    return versions, theta

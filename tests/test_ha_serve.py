@@ -198,6 +198,31 @@ def test_bad_ha_flags_are_refused_in_one_line(flags, message, tmp_path, capsys):
     assert not (tmp_path / "state").exists()  # nothing was touched
 
 
+def test_shards_the_coordinator_would_start_itself_are_refused_under_ha(tmp_path, capsys):
+    from coordinator.cli import main
+
+    cfg = h.job_config()
+    cfg["storage"] = {"url": "s3://bucket/job"}
+    cfg["shards"] = {"count": 2}
+    config = h.write_config(tmp_path, cfg)
+    assert main(["serve", "--config", str(config), "--insecure", "--ha", "etcd://h:2379"]) == 2
+    err = capsys.readouterr().err
+    assert "[shards] with --ha: run shards 1..K-1 on hosts of their own" in err
+    assert "[shards] addresses" in err
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_lead_of_shards_on_other_hosts_wants_the_jobs_key(tmp_path):
+    from core_helpers import core_config
+
+    from coordinator.shards.local import open_shards
+
+    cfg = core_config(tmp_path, shards={"count": 2, "addresses": ["127.0.0.1:7071"]})
+    with pytest.raises(ConfigError, match=r"shard\.key: No such file.*certs shard-key"):
+        open_shards(cfg, None, None)
+    assert not (cfg.state_dir / "shard.key").exists()
+
+
 def test_a_name_the_coordinators_certificate_lacks_is_refused(tmp_path):
     from coordinator.cli.ha import check_advertised_name
 

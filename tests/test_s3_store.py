@@ -259,3 +259,26 @@ def test_multipart_upload_round_trips_and_a_failed_one_leaves_no_parts(aws):
 def test_unreachable_bucket_is_a_store_error(aws):
     with pytest.raises(StoreError, match="bucket 'no-such-bucket' not reachable"):
         open_store(Path("."), StorageConfig("s3://no-such-bucket/p"))
+
+
+def test_a_split_jobs_lead_checkpoint_checks_against_the_composed_digest(aws):
+    """The lead of a job split over coordinator shards keeps its own tensors and the other
+    shards' records: theta's digest is composed from both, in the object store as in the
+    folder; a record that does not match is found."""
+    from coordinator.shards.lead import composed, records_to_json
+    from coordinator.shards.part_store import records_of
+
+    store = _store(aws)
+    own, others = _theta(1), records_of({"z.other": torch.arange(6.0).reshape(2, 3)})
+    meta = {"job": "j", "shard_tensors": records_to_json(others)}
+    digest = composed(own, others)
+    store.save(Checkpoint(1, own, {}, meta, {}, digest))
+    loaded = store.load_latest()
+    assert loaded.theta_hash == digest and loaded.meta["shard_tensors"] == meta["shard_tensors"]
+    _same(loaded.theta, own)
+    wrong = records_of({"z.other": torch.arange(6.0).reshape(2, 3) + 1})
+    store.save(
+        Checkpoint(2, own, {}, {**meta, "shard_tensors": records_to_json(wrong)}, {}, digest)
+    )
+    with pytest.raises(StoreError, match="theta.safetensors does not match its digest"):
+        store.load_round(2)

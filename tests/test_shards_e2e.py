@@ -12,18 +12,18 @@ from shard_helpers import (
     OneProcess,
     Part,
     delta,
-    fetch_part,
+    fetch_all,
+    lead_of,
     make_pki,
     plan_of,
     push_part,
+    push_update,
     split_update,
     start_shards,
     stub,
     theta_0,
 )
 
-from coordinator.shards.link import CountedUpdate, ShardLead
-from coordinator.shards.receipts import load_key
 from wire.proto import isthmus_pb2 as pb
 
 ROUNDS = 3
@@ -32,35 +32,6 @@ ROUNDS = 3
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-def push_update(shards, pki, site, r, update, plan, upload_id=None):
-    """A site's update cut by the plan and pushed to every shard; the lead's record of it."""
-    upload_id = upload_id or f"{site}-r{r}"
-    parts = split_update(update, plan)
-    receipts = []
-    for part in parts:
-        reply = push_part(
-            stub(shards[part.shard].address, pki, site), site, r, upload_id, part, 1.0
-        )
-        assert reply.complete and reply.receipt
-        receipts.append(reply.receipt)
-    digests = tuple(p.manifest.digest for p in parts)
-    return CountedUpdate(site, upload_id, 1.0, 1.0, digests), receipts
-
-
-def lead_of(shards, pki, plan):
-    key = load_key(shards[0].key)
-    return ShardLead([stub(s.address, pki, "lead") for s in shards], plan, key)
-
-
-def fetch_all(shards, pki) -> tuple[set[int], dict[str, torch.Tensor]]:
-    versions, theta = set(), {}
-    for s in shards:
-        version, tensors = fetch_part(stub(s.address, pki, "site-a"), "site-a")
-        versions.add(version)
-        theta.update(tensors)
-    return versions, theta
 
 
 @pytest.mark.parametrize("k", [2, 3])

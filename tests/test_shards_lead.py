@@ -4,6 +4,8 @@ with another shard's tensor naming that shard, and what it refuses changes nothi
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from core_helpers import Clock, core_config
@@ -82,6 +84,34 @@ def _parts(core, shards, pki, site, plan, upload_id):
     return parts, [b"", parts[1].manifest.digest], [b"", reply.receipt]
 
 
+def _closed_never_checkpointed(core, monkeypatch) -> bytes:
+    """Close round 0 (the shards step) and die before the checkpoint of round 1 is written;
+    theta_1's published digest."""
+    from coordinator.persist import local_store as store_mod
+
+    def crash(self, ckpt):
+        core.stopping.set()
+        raise OSError("killed")
+
+    monkeypatch.setattr(store_mod.CheckpointStore, "save", crash)
+    assert core.tick() and core.round.number == 1
+    with pytest.raises(OSError):
+        core.writer.wait()
+    core.events.close()
+    monkeypatch.undo()
+    return core.published.theta_hash
+
+
+def _started_again(tmp_path, pki, shards, plan) -> CoordinatorCore:
+    """The lead started again on its state folder (a new epoch)."""
+    bundle = Bundle.load(pki / "lead")
+    again_shards = LeadShards(
+        plan, load_key(shards[0].key), [shards[1].address], lambda a: open_channel(a, bundle)
+    )
+    cfg = core_config(tmp_path / "lead", model=MODEL, strategy=STRATEGY, rounds={"max_sites": 2})
+    return CoordinatorCore(cfg, clock=Clock(50.0), shards=again_shards)
+
+
 def test_the_lead_counts_an_update_only_with_every_receipt(lead, pki):
     core, tokens, shards, plan = lead
     site = "site-a"
@@ -111,35 +141,50 @@ def test_the_lead_counts_an_update_only_with_every_receipt(lead, pki):
 def test_a_lead_restarted_between_publishing_and_checkpointing_gives_the_same_theta(
     tmp_path, pki, lead, monkeypatch
 ):
-    from coordinator.persist import local_store as store_mod
-
     core, tokens, shards, plan = lead
     for site in SITES:
         parts, digests, receipts = _parts(core, shards, pki, site, plan, f"{site}-0")
         assert _push(core, site, tokens[site], parts, digests, receipts, f"{site}-0")
 
-    def crash(self, ckpt):  # the lead dies before the checkpoint of round 1 is written
-        core.stopping.set()
-        raise OSError("killed")
-
-    monkeypatch.setattr(store_mod.CheckpointStore, "save", crash)
-    assert core.tick() and core.round.number == 1
-    published = core.published.theta_hash
-    with pytest.raises(OSError):
-        core.writer.wait()
-    core.events.close()
-    monkeypatch.undo()
+    published = _closed_never_checkpointed(core, monkeypatch)
     assert (shards[1].folder / "parts" / "v00000001").exists()  # the shard stepped already
 
-    bundle = Bundle.load(pki / "lead")
-    again_shards = LeadShards(
-        plan, load_key(shards[0].key), [shards[1].address], lambda a: open_channel(a, bundle)
-    )
-    cfg = core_config(tmp_path / "lead", model=MODEL, strategy=STRATEGY, rounds={"max_sites": 2})
-    again = CoordinatorCore(cfg, clock=Clock(50.0), shards=again_shards)
+    again = _started_again(tmp_path, pki, shards, plan)
     try:
         assert again.round.number == 1 and again.published.theta_hash == published
         again.writer.wait()
+    finally:
+        again.close()
+
+
+def test_a_lead_over_an_older_checkpoint_has_the_shard_go_back_and_fences_the_old_one(
+    tmp_path, pki, lead, monkeypatch
+):
+    """As a standby taking over on another host: the close of round 0 reached the shard, the
+    checkpoint of round 1 was never written and the spool is not there. The new lead (a higher
+    epoch) reopens round 0 over theta_0; the shard serves theta_0 again and refuses the old
+    lead's close from then on."""
+    import grpc
+
+    core, tokens, shards, plan = lead
+    theta_0_hash = core.published.theta_hash
+    for site in SITES:
+        parts, digests, receipts = _parts(core, shards, pki, site, plan, f"{site}-0")
+        assert _push(core, site, tokens[site], parts, digests, receipts, f"{site}-0")
+
+    _closed_never_checkpointed(core, monkeypatch)
+    shutil.rmtree(tmp_path / "lead" / "state" / "spool")  # on another host: no spool here
+    again = _started_again(tmp_path, pki, shards, plan)
+    try:
+        assert again.members.epoch > core.members.epoch
+        assert again.round.number == 0 and again.published.theta_hash == theta_0_hash
+        assert not (shards[1].folder / "parts" / "v00000001").exists()
+        (state,) = again.shards.states()
+        assert state.version == 0
+        with pytest.raises(grpc.RpcError) as info:
+            core.shards.close(0, [], core.members.epoch)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"follows the lead of epoch {again.members.epoch}" in info.value.details()
     finally:
         again.close()
 

@@ -41,10 +41,12 @@ def add_shard_parser(sub) -> None:
     )
     p.add_argument(
         "--lead",
-        default="",
+        action="append",
+        default=[],
         metavar="NAME",
-        help="the name in the lead's certificate: only it may close rounds here (default: any "
-        "coordinator certificate of the job)",
+        help="the name in the lead's certificate: only it may close rounds here; once per "
+        "coordinator that may lead (with --ha, the standbys too; default: any coordinator "
+        "certificate of the job)",
     )
     p.add_argument("--crl", metavar="FILE", help="the CA's revocation list")
     p.add_argument(
@@ -100,11 +102,12 @@ def run_shard(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     addresses = tuple(a for a in args.addresses.split(",") if a)
-    spec = ShardSpec(args.index, plan, addresses, cfg.server.max_update_bytes, args.lead)
+    leads = tuple(args.lead)
+    spec = ShardSpec(args.index, plan, addresses, cfg.server.max_update_bytes, leads)
     own = plan.names(args.index)
     try:
         core = ShardCore(spec, strategy, lambda: initial_theta(cfg.model, own), folder, key)
-    except PartStoreError as exc:
+    except (PartStoreError, ValueError) as exc:
         raise ConfigError(f"shard {args.index}: {exc}") from exc
     server = ShardServer(core, args.listen, bundle, Path(args.crl) if args.crl else None)
     (folder / "address").write_text(f"{server.address}\n")

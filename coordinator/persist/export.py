@@ -89,6 +89,20 @@ def check_out(out: Path) -> str | None:
     return None
 
 
+def _write_split_model(tmp: Path, ckpt, others, stubs, metadata) -> None:
+    """The lead's tensors and every other shard's into ``tmp``; the lead's come from its
+    theta file, or (from the object store, in memory) through a file of their own first."""
+    own = ckpt.theta_file
+    if own is None:
+        own = tmp.with_name(f"{tmp.name}.lead")
+        write_tensors(own, ckpt.theta)
+    try:
+        write_model(tmp, own, others, stubs, ckpt.round, metadata)
+    finally:
+        if own != ckpt.theta_file:
+            own.unlink(missing_ok=True)
+
+
 def export_model(
     state_dir: Path, out: Path, round_number: int | None = None, store=None, shards=None
 ) -> Exported:
@@ -137,7 +151,7 @@ def export_model(
         if others is None:
             _write_model(tmp, ckpt, metadata)
         else:
-            write_model(tmp, ckpt.theta_file, others, shards.stubs, ckpt.round, metadata)
+            _write_split_model(tmp, ckpt, others, shards.stubs, metadata)
         os.replace(tmp, out)
         write_atomic(card_path_of(out), json.dumps(asdict(card), indent=1).encode())
     except OSError as exc:

@@ -109,7 +109,7 @@ class ClosePipeline:
             strategy_state = check_state(self.p.strategy, call_hook(self.p.strategy, "state_dict"))
             shard_records = None
             if self.p.shards is not None:  # every shard steps before theta_{r+1} is served
-                shard_records = self.p.shards.close(r, order.updates)
+                shard_records = self.p.shards.close(r, order.updates, self.p.members.epoch)
                 clock.lap("shards_s")
         except Exception as exc:
             with self.p.lock:

@@ -125,6 +125,8 @@ def resume(core) -> None:
     pin = None
     if record is not None and not s.finished:
         pin = _replay_close(core, first, record, checks(first))
+    if core.shards is not None:  # every shard serves this theta, and follows this start
+        core.shards.align(s.round.number, core.members.epoch)
     expected = _reopen(core, s.round.number, checks(s.round.number), pin)
     if expected is None:
         # Between rounds, or after the last one (the sites still fetch the final theta):

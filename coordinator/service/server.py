@@ -35,6 +35,7 @@ from coordinator.service.job_end import (
 from coordinator.service.server_process import lock_state_dir
 from coordinator.service.servicer import CoordinatorServicer
 from coordinator.service.watchdog import CallWatchdog
+from coordinator.shards.config import standby_problem
 from coordinator.shards.local import ShardLaunch, open_shards
 from wire.config_table import ConfigError
 from wire.identity import Bundle, identity_of
@@ -97,8 +98,8 @@ class CoordinatorServer:
     def _open_shards(self, cfg: JobConfig, ha, launch: ShardLaunch | None) -> None:
         """Shards 1..K-1: started here (on this coordinator's host) or reached at their
         addresses; the lead's channels to them use this coordinator's certificate."""
-        if ha is not None:
-            raise ConfigError("[shards] with --ha is not supported yet")
+        if ha is not None and (problem := standby_problem(cfg)):
+            raise ConfigError(problem)
         bundle = self.tls.bundle if self.tls is not None else None
         if launch is not None:
             lead = identity_of(bundle.cert).name if bundle is not None else ""

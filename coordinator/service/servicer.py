@@ -44,6 +44,8 @@ STATUS_CODES = {
     # A late update that folds into a later round (``FOLD_ROUND``): the site sends it then.
     "later": grpc.StatusCode.FAILED_PRECONDITION,
     "not_participant": grpc.StatusCode.FAILED_PRECONDITION,
+    # A lead of an older epoch than one a coordinator shard follows (``shards.fence``).
+    "stale": grpc.StatusCode.FAILED_PRECONDITION,
     "duplicate": grpc.StatusCode.ALREADY_EXISTS,
     "not_found": grpc.StatusCode.NOT_FOUND,
     "full": grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -170,23 +170,51 @@ class LeadShards:
 
     # ---- closing ----------------------------------------------------------------------
 
-    def close(self, round_number: int, updates: Sequence) -> list[TensorRecord]:
-        """Every shard folds ``updates`` (spooled updates, in fold order) and steps; their
-        tensors' records. A shard that cannot be reached is waited for (and started again
-        when the lead started it); any other refusal raises."""
+    def close(self, round_number: int, updates: Sequence, epoch: int) -> list[TensorRecord]:
+        """Every shard folds ``updates`` (spooled updates, in fold order) and steps, as told by
+        the lead of ``epoch``; their tensors' records. A shard that cannot be reached is
+        waited for (and started again when the lead started it); any other refusal raises."""
         counted = [
             CountedUpdate(u.site, u.upload_id, u.weight, u.weight, tuple(u.shard_digests))
             for u in updates
         ]
+        return self._waiting(
+            f"round {round_number}",
+            lambda: self._remote.close_records(round_number, counted, first=1, epoch=epoch),
+        )
+
+    def align(self, version: int, epoch: int) -> None:
+        """Every shard serves theta ``version``, the lead's checkpoint's, and follows the lead
+        of ``epoch`` from now on (``coordinator.shards.fence``). A shard that cannot be
+        reached is waited for; one that refuses stops the start (``StoreError``, naming it)."""
+        request = pb.ShardAlignRequest(version=version, epoch=epoch, plan_digest=self.plan.digest())
+
+        def one(i: int) -> None:
+            try:
+                self._stubs[i - 1].Align(request, timeout=60)
+            except grpc.RpcError as exc:
+                if exc.code() in WAIT_FOR:
+                    raise
+                raise StoreError(
+                    f"shard {i} ({self.addresses[i]}) refused to serve theta_{version}: "
+                    f"{exc.details()}"
+                ) from exc
+
+        self._waiting(
+            f"theta_{version}", lambda: self._remote.each(one, range(1, self.plan.shards))
+        )
+
+    def _waiting(self, what: str, call: Callable):
+        """``call()``, again after a backoff while a shard is unreachable."""
         attempt, rng = 0, random.Random()
         while True:
             try:
-                return self._remote.close_records(round_number, counted, first=1)
+                return call()
             except grpc.RpcError as exc:
                 if exc.code() not in WAIT_FOR:
                     raise
                 attempt += 1
-                log.warning("round %d: a shard is unreachable (%s)", round_number, exc.details())
+                log.warning("%s: a shard is unreachable (%s)", what, exc.details())
                 if self._revive is not None:
                     self._revive(attempt)
                 if self.stopping.wait(next_delay(CLOSE_BACKOFF, attempt, rng)):

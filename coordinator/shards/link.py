@@ -72,20 +72,24 @@ class ShardLead:
             )
         ]
 
-    def close(self, round_number: int, updates: Sequence[CountedUpdate]) -> tuple[int, bytes]:
+    def close(
+        self, round_number: int, updates: Sequence[CountedUpdate], epoch: int = 0
+    ) -> tuple[int, bytes]:
         """Close ``round_number`` on every shard at once; the version now served and theta's
         composed state digest. Raises the first shard's ``grpc.RpcError``."""
-        records = self.close_records(round_number, updates)
+        records = self.close_records(round_number, updates, epoch=epoch)
         return round_number + 1, compose([r.as_tuple() for r in records])
 
     def close_records(
-        self, round_number: int, updates: Sequence[CountedUpdate], first: int = 0
+        self, round_number: int, updates: Sequence[CountedUpdate], first: int = 0, epoch: int = 0
     ) -> list[TensorRecord]:
-        """Close ``round_number`` on shards ``first``..K-1 at once; their tensors' records."""
+        """Close ``round_number`` on shards ``first``..K-1 at once, as the lead of ``epoch``
+        (``coordinator.shards.fence``); their tensors' records."""
 
         def one(i: int) -> pb.ShardCloseReply:
             request = pb.ShardCloseRequest(
                 round=round_number,
+                epoch=epoch,
                 plan_digest=self.plan.digest(),
                 parts=[
                     pb.ShardPart(

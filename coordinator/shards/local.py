@@ -145,7 +145,7 @@ def open_shards(cfg, bundle, launch: ShardLaunch | None):
     from coordinator.model_source import tensor_sizes
     from coordinator.shards.config import unsupported
     from coordinator.shards.lead import LeadShards, load_or_make_plan
-    from coordinator.shards.receipts import KEY_FILE, create_key
+    from coordinator.shards.receipts import KEY_FILE, ShardKeyError, create_key, load_key
     from strategies import load_strategy
     from wire.config_table import ConfigError
     from wire.net.channel import open_channel
@@ -153,13 +153,16 @@ def open_shards(cfg, bundle, launch: ShardLaunch | None):
     count = cfg.shards.count
     if problem := unsupported(cfg, load_strategy(cfg.strategy.name, cfg.strategy.params)):
         raise ConfigError(problem)
-    key = create_key(cfg.state_dir / KEY_FILE)
+    addresses = list(cfg.shards.addresses)
+    try:  # shards on hosts of their own hold a copy of the job's key already
+        key = (load_key if addresses else create_key)(cfg.state_dir / KEY_FILE)
+    except ShardKeyError as exc:
+        raise ConfigError(f"{exc} (`coordinator certs shard-key` makes one)") from exc
     try:
         plan = load_or_make_plan(cfg.state_dir, count, lambda: tensor_sizes(cfg.model))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     local = None
-    addresses = list(cfg.shards.addresses)
     if not addresses:
         if launch is None:
             raise ConfigError("shards.addresses: needed when the lead does not start the shards")

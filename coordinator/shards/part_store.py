@@ -131,6 +131,15 @@ class PartStore:
                 "keeps its parts on its own disk only)"
             ) from exc
 
+    def drop_after(self, version: int) -> None:
+        """Remove the versions after ``version`` (a shard going back to it): each folder is
+        renamed out of sight first, so a crash leaves ``version`` the newest."""
+        for newer in (v for v in self.versions() if v > version):
+            gone = self.folder / f".{self._path(newer).name}.dropped-{os.getpid()}"
+            os.rename(self._path(newer), gone)
+            fsync_dir(self.folder)
+            shutil.rmtree(gone, ignore_errors=True)
+
     def latest(self) -> StoredPart | None:
         versions = self.versions()
         return self.load(versions[-1]) if versions else None

@@ -155,28 +155,43 @@ class ShardServicer(pb_grpc.ShardServicer):
         finally:
             heap.trim()
 
-    @_refusals_to_status
-    def Close(self, request: pb.ShardCloseRequest, context) -> pb.ShardCloseReply:
-        who, lead = self._auth(context, ("coordinator",)), self.core.spec.lead
-        if who is not None and lead and who.name != lead:
+    def _lead_only(self, context, what: str) -> None:
+        """Refuse a caller that is not one of the coordinators that may lead."""
+        who, leads = self._auth(context, ("coordinator",)), self.core.spec.leads
+        if who is not None and leads and who.name not in leads:
+            named = ", ".join(repr(n) for n in leads)
             raise Refused(
                 "denied",
-                f"only the lead ({lead!r}) closes rounds on shard {self.core.spec.index}; this "
+                f"only the lead ({named}) {what} on shard {self.core.spec.index}; this "
                 f"certificate is {who.name!r}",
             )
+
+    @_refusals_to_status
+    def Close(self, request: pb.ShardCloseRequest, context) -> pb.ShardCloseReply:
+        self._lead_only(context, "closes rounds")
         refuse_unknown_fields(request)
         parts = tuple(
             FoldedPart(p.site, p.upload_id, bytes(p.digest), p.weight, p.alpha)
             for p in request.parts
         )
-        stored, replayed = self.core.close(request.round, parts, request.plan_digest)
+        stored, replayed = self.core.close(request.round, parts, request.plan_digest, request.epoch)
         return pb.ShardCloseReply(
             version=stored.version, replayed=replayed, tensors=digests_pb(stored.tensors)
         )
 
     @_refusals_to_status
+    def Align(self, request: pb.ShardAlignRequest, context) -> pb.ShardStatusReply:
+        self._lead_only(context, "sets the theta served")
+        refuse_unknown_fields(request)
+        self.core.align(request.version, request.epoch, request.plan_digest)
+        return self.status()
+
+    @_refusals_to_status
     def Status(self, request: pb.ShardStatusRequest, context) -> pb.ShardStatusReply:
         self._auth(context, ("operator", "coordinator"))
+        return self.status()
+
+    def status(self) -> pb.ShardStatusReply:
         core, spec = self.core, self.core.spec
         return pb.ShardStatusReply(
             shard=spec.index,
@@ -232,7 +247,9 @@ class ShardServer:
             spec.plan.shards,
             self.core.version,
             self.address,
-            f"the lead {spec.lead!r}" if spec.lead else "any coordinator certificate",
+            "the lead " + " or ".join(repr(n) for n in spec.leads)
+            if spec.leads
+            else "any coordinator certificate",
         )
 
     def stop(self, grace: float | None = 1.0) -> None:

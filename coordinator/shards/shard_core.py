@@ -29,6 +29,7 @@ from coordinator.records import Admission, PushHeader, Refused, UpdateKey, check
 from coordinator.round.accumulate import fold_into
 from coordinator.round.close import step_by_tensor
 from coordinator.round.round_tensors import RoundTensors
+from coordinator.shards.fence import AlignStep, EpochFence, align_compute
 from coordinator.shards.part_store import FoldedPart, PartStore, StoredPart, records_of
 from coordinator.shards.receipts import PartReceipt, sign
 from strategies import Strategy
@@ -50,7 +51,9 @@ class ShardSpec:
     plan: ShardPlan
     addresses: tuple[str, ...] = ()
     max_update_bytes: int = 8 << 30
-    lead: str = ""  # the lead's certificate name: only it closes rounds ("": any coordinator's)
+    # The names in the certificates of the coordinators that may lead (a standby's too):
+    # only they close rounds (empty: any coordinator certificate of the job).
+    leads: tuple[str, ...] = ()
 
     def names(self) -> tuple[str, ...]:
         return self.plan.names(self.index)
@@ -70,6 +73,7 @@ class ShardCore:
         self.spec, self.strategy, self.key = spec, strategy, key
         self.lock = threading.Lock()  # one close at a time; the intake has its own locks
         self.parts = PartStore(Path(folder) / "parts")
+        self.fence = EpochFence(Path(folder), spec.index)
         self.spool = UpdateSpool(Path(folder) / "spool")
         self.uploads = UploadTable(self.spool)
         stored = self.parts.latest()
@@ -164,24 +168,55 @@ class ShardCore:
 
     # ---- the lead's close ----------------------------------------------------------------
 
-    def close(
-        self, round_number: int, parts: tuple[FoldedPart, ...], plan_digest: str
-    ) -> tuple[StoredPart, bool]:
-        """Fold ``parts`` in order and step: theta_{round+1} of this shard's tensors, written
-        and served; ``True`` with it when the round was closed before (a replay)."""
+    def _check_plan(self, plan_digest: str) -> None:
         if plan_digest != self.spec.plan.digest():
             raise Refused(
                 "invalid",
                 f"the lead's shard plan {plan_digest} is not this shard's "
                 f"{self.spec.plan.digest()}: start every shard from the lead's job config",
             )
+
+    def align(self, version: int, epoch: int, plan_digest: str) -> AlignStep:
+        """Serve theta ``version``, the lead's checkpoint's (``coordinator.shards.fence``): go
+        back one version when the lead of an earlier epoch closed a round it never
+        checkpointed. Refused when the lead's epoch is older than one followed, or the version
+        is not this one or the one before."""
+        self._check_plan(plan_digest)
         with self.lock:
+            self.fence.check(epoch)
+            step = align_compute(self.spec.index, self.version, self.parts.versions(), version)
+            if step.action == "refuse":
+                raise Refused("invalid", step.why)
+            self.fence.admit(epoch)
+            if step.action == "rewind":
+                self._rewind(version)
+            log.info("%s (lead epoch %d)", step.why, epoch)
+            return step
+
+    def _rewind(self, version: int) -> None:
+        back = self.parts.load(version)
+        assert back is not None  # align_compute rewinds only to a kept version
+        self.parts.drop_after(version)
+        call_hook(self.strategy, "load_state_dict", back.strategy_state())
+        self._serve(back)
+        call_hook(self.strategy, "begin_round", self.version, self.theta)
+
+    def close(
+        self, round_number: int, parts: tuple[FoldedPart, ...], plan_digest: str, epoch: int = 0
+    ) -> tuple[StoredPart, bool]:
+        """Fold ``parts`` in order and step: theta_{round+1} of this shard's tensors, written
+        and served; ``True`` with it when the round was closed before (a replay). ``epoch``:
+        the lead's (refused when older than one followed)."""
+        self._check_plan(plan_digest)
+        with self.lock:
+            self.fence.check(epoch)
             done = self.stored
             if done.round == round_number:
                 if done.parts != parts:
                     raise Refused(
                         "invalid", f"round {round_number} was closed with other parts than these"
                     )
+                self.fence.admit(epoch)
                 return done, True
             if round_number != self.version:
                 raise Refused(
@@ -191,6 +226,7 @@ class ShardCore:
                 )
             updates = [self._held(round_number, p) for p in parts]
             theta = self._step(round_number, updates, parts)
+            self.fence.admit(epoch)  # once the close is sure to be carried out
             stored = self._save(round_number + 1, theta, round_number, parts)
             self._serve(stored)
             self.uploads.drop_rounds_before(round_number + 1)

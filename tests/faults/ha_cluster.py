@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import grpc
 from coord_harness import CoordinatorProcess, subprocess_env, write_config
+from shard_helpers import ShardProc
 
 from bench.relay import Relay
 from coordinator.cli.ha import call_leader
@@ -34,6 +35,7 @@ from coordinator.events.remote import RemoteEvents, read_remote
 from coordinator.persist import s3_epochs, s3_layout
 from coordinator.persist.open_store import open_store
 from coordinator.service.server import DEPOSED_EXIT
+from coordinator.shards.receipts import KEY_FILE, create_key
 from faults.record import RunRecord
 from faults.site import SiteProcess, wait_while_sites_live
 from faults.spec import JobSpec
@@ -149,6 +151,7 @@ class HaCluster:
         self.exits: list[tuple[str, int, float]] = []  # (address, code, time) of each restart
         self._supervising = threading.Event()
         self.harness_problems: list[str] = []
+        self.shards: list[ShardProc] = []
 
     def start(self) -> HaCluster:
         cfg = self.spec.config(self.markers)
@@ -161,9 +164,13 @@ class HaCluster:
         issue(ca, "coordinator", "coordinator", tls, hosts=("127.0.0.1",))
         issue(ca, "operator", "lead", self.folder / "pki" / "operator")
         self.operator = Bundle.load(self.folder / "pki" / "operator")
+        if self.spec.shards > 1:
+            self._start_shards(cfg, tls)
         config = write_config(self.folder, cfg)
         for name in ("a", "b"):
             state = self.folder / name / "state"
+            if self.spec.shards > 1:  # each coordinator holds a copy of the job's shard key
+                place_key(self.folder / KEY_FILE, state / KEY_FILE)
             ha = ("--ha", self._etcd_url(name), "--ha-ttl", str(TTL_S), "--state-dir", str(state))
             log = self.folder / f"coordinator-{name}.log"
             self.coordinators.append(CoordinatorProcess(config, state, log, tls, extra_args=ha))
@@ -184,6 +191,20 @@ class HaCluster:
             self.sites.append(site)
             site.start()
         return self
+
+    def _start_shards(self, cfg: dict, tls: Path) -> None:
+        """Shards 1..K-1 on "hosts" of their own (``coordinator shard``), which both
+        coordinators may lead; their addresses go into ``cfg``."""
+        create_key(self.folder / KEY_FILE)
+        config = write_config(self.folder, cfg, "shards.toml")
+        for i in range(1, self.spec.shards):
+            shard = ShardProc(
+                i, self.spec.shards, config, self.folder / "shards" / str(i), tls,
+                self.folder / KEY_FILE, leads=("coordinator",), env=self.env,
+            )  # fmt: skip
+            shard.folder.mkdir(parents=True, exist_ok=True)
+            self.shards.append(shard.start())
+        cfg["shards"]["addresses"] = [s.address for s in self.shards]
 
     def _etcd_url(self, name: str) -> str:
         if not self.with_etcd_relays:
@@ -297,6 +318,8 @@ class HaCluster:
             site.kill()
         for c in self.coordinators:
             c.kill()
+        for shard in self.shards:
+            shard.stop()
         for relay in [*self.etcd_relays.values(), self.store_relay]:
             if relay is not None:
                 relay.stop()
@@ -306,6 +329,13 @@ class HaCluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def place_key(key: Path, to: Path) -> None:
+    """A copy of the shard ``key`` at ``to``, readable by its owner only."""
+    to.parent.mkdir(parents=True, exist_ok=True)
+    to.write_bytes(key.read_bytes())
+    to.chmod(0o600)
 
 
 def _relay_to(endpoint: str) -> Relay:

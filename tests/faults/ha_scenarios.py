@@ -45,6 +45,14 @@ TAKEOVER: list[Scenario] = [
         JobSpec(ballast_mib=96),
         standby=KILLED,
     ),
+    # Split over shards on hosts of their own: the shards closed round 1 for a leader that
+    # never checkpointed it, and go back to theta_1 for the next one (coordinator.shards.fence).
+    Scenario(
+        "standby + shards: leader killed while checkpointing",
+        takeover.kill_leader_while_checkpointing,
+        JobSpec(ballast_mib=96, shards=2),
+        standby=KILLED,
+    ),
 ]
 LINKS: list[Scenario] = [
     Scenario("standby: leader cut off from etcd", links.cut_leader_from_etcd, standby=ETCD_CUT),

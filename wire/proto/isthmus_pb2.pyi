@@ -503,14 +503,26 @@ class ShardPart(_message.Message):
     def __init__(self, site: _Optional[str] = ..., upload_id: _Optional[str] = ..., digest: _Optional[bytes] = ..., weight: _Optional[float] = ..., alpha: _Optional[float] = ...) -> None: ...
 
 class ShardCloseRequest(_message.Message):
-    __slots__ = ("round", "parts", "plan_digest")
+    __slots__ = ("round", "parts", "plan_digest", "epoch")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     round: int
     parts: _containers.RepeatedCompositeFieldContainer[ShardPart]
     plan_digest: str
-    def __init__(self, round: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[ShardPart, _Mapping]]] = ..., plan_digest: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, round: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[ShardPart, _Mapping]]] = ..., plan_digest: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ShardAlignRequest(_message.Message):
+    __slots__ = ("version", "epoch", "plan_digest")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    epoch: int
+    plan_digest: str
+    def __init__(self, version: _Optional[int] = ..., epoch: _Optional[int] = ..., plan_digest: _Optional[str] = ...) -> None: ...
 
 class TensorDigest(_message.Message):
     __slots__ = ("name", "dtype", "shape", "digest")

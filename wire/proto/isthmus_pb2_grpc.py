@@ -427,6 +427,11 @@ class ShardStub:
                 request_serializer=wire_dot_proto_dot_isthmus__pb2.ShardStatusRequest.SerializeToString,
                 response_deserializer=wire_dot_proto_dot_isthmus__pb2.ShardStatusReply.FromString,
                 _registered_method=True)
+        self.Align = channel.unary_unary(
+                '/isthmus.v1.Shard/Align',
+                request_serializer=wire_dot_proto_dot_isthmus__pb2.ShardAlignRequest.SerializeToString,
+                response_deserializer=wire_dot_proto_dot_isthmus__pb2.ShardStatusReply.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -456,6 +461,12 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Align(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -477,6 +488,11 @@ def add_ShardServicer_to_server(servicer, server):
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
                     request_deserializer=wire_dot_proto_dot_isthmus__pb2.ShardStatusRequest.FromString,
+                    response_serializer=wire_dot_proto_dot_isthmus__pb2.ShardStatusReply.SerializeToString,
+            ),
+            'Align': grpc.unary_unary_rpc_method_handler(
+                    servicer.Align,
+                    request_deserializer=wire_dot_proto_dot_isthmus__pb2.ShardAlignRequest.FromString,
                     response_serializer=wire_dot_proto_dot_isthmus__pb2.ShardStatusReply.SerializeToString,
             ),
     }
@@ -587,6 +603,33 @@ class Shard:
             target,
             '/isthmus.v1.Shard/Status',
             wire_dot_proto_dot_isthmus__pb2.ShardStatusRequest.SerializeToString,
+            wire_dot_proto_dot_isthmus__pb2.ShardStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Align(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Shard/Align',
+            wire_dot_proto_dot_isthmus__pb2.ShardAlignRequest.SerializeToString,
             wire_dot_proto_dot_isthmus__pb2.ShardStatusReply.FromString,
             options,
             channel_credentials,
