@@ -74,6 +74,7 @@ class ShardProc:
     proc: subprocess.Popen | None = None
     leads: tuple[str, ...] = ("lead",)
     env: dict[str, str] | None = None  # None: this environment, the repository importable
+    extra: tuple[str, ...] = ()  # more flags (``--ha URL``)
     log: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,7 +87,8 @@ class ShardProc:
             + ["--index", str(self.index), "--shards", str(self.shards)]
             + ["--listen", self.address or "127.0.0.1:0", "--state-dir", str(self.folder)]
             + ["--key", str(self.key), "--tls-dir", str(self.tls)]
-            + [flag for name in self.leads for flag in ("--lead", name)],
+            + [flag for name in self.leads for flag in ("--lead", name)]
+            + list(self.extra),
             cwd=ROOT,
             env=self.env or {**os.environ, "PYTHONPATH": str(ROOT)},
             stdout=open(self.log, "ab"),  # noqa: SIM115 - the process holds it

@@ -198,8 +198,14 @@ def test_bad_ha_flags_are_refused_in_one_line(flags, message, tmp_path, capsys):
     assert not (tmp_path / "state").exists()  # nothing was touched
 
 
-def test_shards_the_coordinator_would_start_itself_are_refused_under_ha(tmp_path, capsys):
+def test_a_standby_of_a_split_job_wants_the_jobs_shard_key_before_it_stands_by(
+    tmp_path, capsys, monkeypatch
+):
     from coordinator.cli import main
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
 
     cfg = h.job_config()
     cfg["storage"] = {"url": "s3://bucket/job"}
@@ -207,9 +213,9 @@ def test_shards_the_coordinator_would_start_itself_are_refused_under_ha(tmp_path
     config = h.write_config(tmp_path, cfg)
     assert main(["serve", "--config", str(config), "--insecure", "--ha", "etcd://h:2379"]) == 2
     err = capsys.readouterr().err
-    assert "[shards] with --ha: run shards 1..K-1 on hosts of their own" in err
-    assert "[shards] addresses" in err
-    assert not (tmp_path / "state").exists()
+    assert "shard.key: No such file or directory" in err and "certs shard-key" in err
+    assert not (tmp_path / "state" / "shard.key").exists()
+    assert not (tmp_path / "state" / "checkpoints").exists()
 
 
 def test_a_lead_of_shards_on_other_hosts_wants_the_jobs_key(tmp_path):

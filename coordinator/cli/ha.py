@@ -55,10 +55,6 @@ def ha_from_flags(args, cfg):
             '--ha needs [storage] url = "s3://BUCKET/PREFIX": the coordinator elected next '
             "loads the leader's checkpoints from there"
         )
-    from coordinator.shards.config import standby_problem
-
-    if problem := standby_problem(cfg):
-        raise ConfigError(problem)
     try:
         import aetcd  # noqa: F401
     except ImportError:

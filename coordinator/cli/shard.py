@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 
 from wire.cli_flags import add_security_flags, bundle_from_flags
 from wire.config_table import ConfigError, check_listen
+
+log = logging.getLogger("isthmus.shard")
 
 
 def add_shard_parser(sub) -> None:
@@ -50,6 +53,21 @@ def add_shard_parser(sub) -> None:
     )
     p.add_argument("--crl", metavar="FILE", help="the CA's revocation list")
     p.add_argument(
+        "--ha",
+        metavar="etcd://HOST:PORT[,HOST:PORT][/PREFIX]",
+        help="register this shard's address in the etcd of the job's standby coordinators "
+        "(the key PREFIX/JOB/shards/INDEX), where a lead with no [shards] addresses finds it",
+    )
+    p.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        help="with --ha: the address registered (default: the listen address; a wildcard host "
+        "becomes this machine's name)",
+    )
+    p.add_argument(
+        "--ha-ttl", type=int, default=10, metavar="SECONDS", help="with --ha: the etcd lease TTL"
+    )
+    p.add_argument(
         "--parent-pid",
         type=int,
         metavar="PID",
@@ -73,6 +91,7 @@ def run_shard(args: argparse.Namespace) -> int:
     if problem := check_listen(args.listen):
         raise ConfigError(f"--listen {args.listen}: {problem}")
     cfg = load_config(args.config, args.set)
+    ha = _ha_options(args, cfg)
     args.shards = args.shards or cfg.shards.count
     if not 0 <= args.index < args.shards:
         raise ConfigError(f"--index {args.index}: must be in [0, {args.shards - 1}]")
@@ -111,18 +130,48 @@ def run_shard(args: argparse.Namespace) -> int:
         raise ConfigError(f"shard {args.index}: {exc}") from exc
     server = ShardServer(core, args.listen, bundle, Path(args.crl) if args.crl else None)
     (folder / "address").write_text(f"{server.address}\n")
-    _serve_until_stopped(server, args)
+    _serve_until_stopped(server, args, ha)
     lock.close()
     return 0
 
 
-def _serve_until_stopped(server, args: argparse.Namespace) -> None:
+def _ha_options(args: argparse.Namespace, cfg):
+    """``--ha`` and its flags as the job's ``HaOptions`` (None without ``--ha``)."""
+    if args.ha is None:
+        if args.advertise:
+            raise ConfigError("--advertise needs --ha etcd://HOST:PORT")
+        return None
+    if args.advertise and (problem := check_listen(args.advertise)):
+        raise ConfigError(f"--advertise {args.advertise}: {problem}")
+    from coordinator.ha.options import ha_options
+
+    try:
+        import aetcd  # noqa: F401
+    except ImportError:
+        raise ConfigError("--ha needs aetcd: pip install 'isthmus[ha]'") from None
+    return ha_options(args.ha, cfg.name, args.advertise or "", args.ha_ttl)
+
+
+def _serve_until_stopped(server, args: argparse.Namespace, ha) -> None:
+    """Serve (registered in etcd with ``ha``) until SIGTERM, SIGINT or the parent's end."""
+    from dataclasses import replace
+
+    from coordinator.ha.options import advertised
+    from coordinator.shards.registry import ShardRegistration
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if args.parent_pid:
         threading.Thread(target=_outlive_not, args=(args.parent_pid, stop), daemon=True).start()
     server.start()
+    registration = None
+    if ha is not None:
+        where = advertised(args.listen, server.address, ha.advertise)
+        registration = ShardRegistration(replace(ha, advertise=where), args.index).start()
+        log.info("registering shard %d as %s under %s", args.index, where, registration.key)
     print(f"shard {args.index} of {args.shards} serving on {server.address}", flush=True)
     stop.wait()
+    if registration is not None:
+        registration.close()
     server.stop()

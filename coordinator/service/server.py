@@ -35,9 +35,8 @@ from coordinator.service.job_end import (
 from coordinator.service.server_process import lock_state_dir
 from coordinator.service.servicer import CoordinatorServicer
 from coordinator.service.watchdog import CallWatchdog
-from coordinator.shards.config import standby_problem
-from coordinator.shards.local import ShardLaunch, open_shards
-from wire.config_table import ConfigError
+from coordinator.shards.local import ShardLaunch, open_shards, prepare_shards
+from coordinator.shards.registry import resolve
 from wire.identity import Bundle, identity_of
 from wire.net.grpc_options import server_options
 from wire.net.host_tuning import log_tcp_advice
@@ -83,8 +82,10 @@ class CoordinatorServer:
         self.shards, self.local_shards = None, None
         try:
             self._bind(cfg, listen)
-            if cfg.shards.count > 1:
-                self._open_shards(cfg, ha, shard_launch)
+            if cfg.shards.count > 1 and ha is None:
+                self._open_shards(cfg, shard_launch)
+            elif cfg.shards.count > 1:  # checked now; the shards are found once elected
+                prepare_shards(cfg, remote=True)
             if ha is None:
                 self.server.add_generic_rpc_handlers(self._build(cfg))
             else:
@@ -95,16 +96,27 @@ class CoordinatorServer:
             self.close()
             raise
 
-    def _open_shards(self, cfg: JobConfig, ha, launch: ShardLaunch | None) -> None:
+    def _open_shards(
+        self, cfg: JobConfig, launch: ShardLaunch | None, addresses: list[str] | None = None
+    ) -> None:
         """Shards 1..K-1: started here (on this coordinator's host) or reached at their
         addresses; the lead's channels to them use this coordinator's certificate."""
-        if ha is not None and (problem := standby_problem(cfg)):
-            raise ConfigError(problem)
         bundle = self.tls.bundle if self.tls is not None else None
         if launch is not None:
             lead = identity_of(bundle.cert).name if bundle is not None else ""
             launch = replace(launch, host=self.address.rpartition(":")[0], lead=lead)
-        self.shards, self.local_shards = open_shards(cfg, bundle, launch)
+        self.shards, self.local_shards = open_shards(cfg, bundle, launch, addresses)
+
+    def _find_shards(self) -> bool:
+        """Under ``--ha``, once elected: the shards of ``[shards] addresses``, else as they
+        registered in etcd (``coordinator.shards.registry``); False if stopped first."""
+        count = self.cfg.shards.count
+        addresses = list(self.cfg.shards.addresses) or resolve(self.ha.opts, count, self.stop_event)
+        if addresses is None:
+            return False
+        log.info("leading %d shard(s) beside this one: %s", count - 1, ", ".join(addresses))
+        self._open_shards(self.cfg, None, addresses)
+        return True
 
     def _bind(self, cfg: JobConfig, listen: str | None) -> None:
         # Every open call holds a worker thread (a push for its whole transfer, a WaitRound
@@ -180,6 +192,8 @@ class CoordinatorServer:
         self.ha.start()
         term = self.ha.wait_elected(self.stop_event)
         if term is None or self._complete_in_store():
+            return False
+        if self.cfg.shards.count > 1 and not self._find_shards():
             return False
         try:
             self.ha.switch.lead(self._build(self.cfg, term))

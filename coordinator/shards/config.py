@@ -73,14 +73,3 @@ def unsupported(cfg, strategy) -> str | None:
     if not found:
         return None
     return f"coordinator shards do not support {found[0]} yet; use [shards] count = 1"
-
-
-def standby_problem(cfg) -> str | None:
-    """Why job ``cfg`` cannot run its coordinator under ``--ha`` as configured (None: it can)."""
-    if cfg.shards.count > 1 and not cfg.shards.addresses:
-        return (
-            "[shards] with --ha: run shards 1..K-1 on hosts of their own (`coordinator shard "
-            "--index I --lead NAME`, once per coordinator that may lead) and list them in "
-            "[shards] addresses; shards a coordinator started would go with it"
-        )
-    return None

@@ -139,34 +139,45 @@ def _folder_held(folder: Path) -> bool:
     return "is in use by another" in tail
 
 
-def open_shards(cfg, bundle, launch: ShardLaunch | None):
-    """The lead's ``LeadShards`` for job ``cfg`` (``[shards] count > 1``), and the local shard
-    processes it started (None when ``shards.addresses`` names hosts of their own)."""
+def prepare_shards(cfg, remote: bool):
+    """Job ``cfg``'s shard plan and key, checked (``ConfigError``): what it asks of shards
+    must be built, and shards on hosts of their own (``remote``) hold a copy of the key, so
+    the lead must find it rather than make another."""
     from coordinator.model_source import tensor_sizes
     from coordinator.shards.config import unsupported
-    from coordinator.shards.lead import LeadShards, load_or_make_plan
+    from coordinator.shards.lead import load_or_make_plan
     from coordinator.shards.receipts import KEY_FILE, ShardKeyError, create_key, load_key
     from strategies import load_strategy
     from wire.config_table import ConfigError
-    from wire.net.channel import open_channel
 
-    count = cfg.shards.count
     if problem := unsupported(cfg, load_strategy(cfg.strategy.name, cfg.strategy.params)):
         raise ConfigError(problem)
-    addresses = list(cfg.shards.addresses)
-    try:  # shards on hosts of their own hold a copy of the job's key already
-        key = (load_key if addresses else create_key)(cfg.state_dir / KEY_FILE)
+    try:
+        key = (load_key if remote else create_key)(cfg.state_dir / KEY_FILE)
     except ShardKeyError as exc:
         raise ConfigError(f"{exc} (`coordinator certs shard-key` makes one)") from exc
     try:
-        plan = load_or_make_plan(cfg.state_dir, count, lambda: tensor_sizes(cfg.model))
+        plan = load_or_make_plan(cfg.state_dir, cfg.shards.count, lambda: tensor_sizes(cfg.model))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    return plan, key
+
+
+def open_shards(cfg, bundle, launch: ShardLaunch | None, addresses: list[str] | None = None):
+    """The lead's ``LeadShards`` for job ``cfg`` (``[shards] count > 1``), and the local shard
+    processes it started (None when the shards are on hosts of their own: at ``addresses``,
+    else ``shards.addresses``)."""
+    from coordinator.shards.lead import LeadShards
+    from wire.config_table import ConfigError
+    from wire.net.channel import open_channel
+
+    addresses = list(addresses or cfg.shards.addresses)
+    plan, key = prepare_shards(cfg, remote=bool(addresses))
     local = None
     if not addresses:
         if launch is None:
             raise ConfigError("shards.addresses: needed when the lead does not start the shards")
-        local = LocalShards(launch, count)
+        local = LocalShards(launch, cfg.shards.count)
         addresses = local.start()
     revive = local.revive if local is not None else None
     lead = LeadShards(plan, key, addresses, lambda a: open_channel(a, bundle), revive)

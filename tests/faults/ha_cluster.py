@@ -194,17 +194,17 @@ class HaCluster:
 
     def _start_shards(self, cfg: dict, tls: Path) -> None:
         """Shards 1..K-1 on "hosts" of their own (``coordinator shard``), which both
-        coordinators may lead; their addresses go into ``cfg``."""
+        coordinators may lead: registered in the job's etcd, where the leader finds them."""
         create_key(self.folder / KEY_FILE)
         config = write_config(self.folder, cfg, "shards.toml")
+        register = ("--ha", self.etcd.url, "--ha-ttl", str(TTL_S))
         for i in range(1, self.spec.shards):
             shard = ShardProc(
                 i, self.spec.shards, config, self.folder / "shards" / str(i), tls,
-                self.folder / KEY_FILE, leads=("coordinator",), env=self.env,
+                self.folder / KEY_FILE, leads=("coordinator",), env=self.env, extra=register,
             )  # fmt: skip
             shard.folder.mkdir(parents=True, exist_ok=True)
             self.shards.append(shard.start())
-        cfg["shards"]["addresses"] = [s.address for s in self.shards]
 
     def _etcd_url(self, name: str) -> str:
         if not self.with_etcd_relays:
