@@ -39,8 +39,9 @@ def add_ha_flags(serve) -> None:
     )
 
 
-def ha_from_flags(args, cfg):
-    """``--ha`` and its flags as ``HaOptions`` (None without ``--ha``); ``ConfigError``."""
+def etcd_from_flags(args, cfg):
+    """``--ha``, ``--advertise`` and ``--ha-ttl`` as job ``cfg``'s ``HaOptions`` (None
+    without ``--ha``); ``ConfigError``. Shared by ``serve`` and ``shard``."""
     from coordinator.ha.options import ha_options
 
     if args.ha is None:
@@ -50,15 +51,23 @@ def ha_from_flags(args, cfg):
     if args.advertise and (problem := check_listen(args.advertise)):
         raise ConfigError(f"--advertise {args.advertise}: {problem}")
     opts = ha_options(args.ha, cfg.name, args.advertise or "", args.ha_ttl)
+    try:
+        import aetcd  # noqa: F401
+    except ImportError:
+        raise ConfigError("--ha needs aetcd: pip install 'isthmus[ha]'") from None
+    return opts
+
+
+def ha_from_flags(args, cfg):
+    """``serve --ha`` and its flags as ``HaOptions`` (None without ``--ha``); ``ConfigError``."""
+    opts = etcd_from_flags(args, cfg)
+    if opts is None:
+        return None
     if not cfg.storage.remote:
         raise ConfigError(
             '--ha needs [storage] url = "s3://BUCKET/PREFIX": the coordinator elected next '
             "loads the leader's checkpoints from there"
         )
-    try:
-        import aetcd  # noqa: F401
-    except ImportError:
-        raise ConfigError("--ha needs aetcd: pip install 'isthmus[ha]'") from None
     log.warning(ETCD_PLAINTEXT_WARNING)
     return opts
 

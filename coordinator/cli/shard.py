@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+from coordinator.cli.ha import etcd_from_flags
 from wire.cli_flags import add_security_flags, bundle_from_flags
 from wire.config_table import ConfigError, check_listen
 
@@ -91,7 +92,7 @@ def run_shard(args: argparse.Namespace) -> int:
     if problem := check_listen(args.listen):
         raise ConfigError(f"--listen {args.listen}: {problem}")
     cfg = load_config(args.config, args.set)
-    ha = _ha_options(args, cfg)
+    ha = etcd_from_flags(args, cfg)
     args.shards = args.shards or cfg.shards.count
     if not 0 <= args.index < args.shards:
         raise ConfigError(f"--index {args.index}: must be in [0, {args.shards - 1}]")
@@ -133,23 +134,6 @@ def run_shard(args: argparse.Namespace) -> int:
     _serve_until_stopped(server, args, ha)
     lock.close()
     return 0
-
-
-def _ha_options(args: argparse.Namespace, cfg):
-    """``--ha`` and its flags as the job's ``HaOptions`` (None without ``--ha``)."""
-    if args.ha is None:
-        if args.advertise:
-            raise ConfigError("--advertise needs --ha etcd://HOST:PORT")
-        return None
-    if args.advertise and (problem := check_listen(args.advertise)):
-        raise ConfigError(f"--advertise {args.advertise}: {problem}")
-    from coordinator.ha.options import ha_options
-
-    try:
-        import aetcd  # noqa: F401
-    except ImportError:
-        raise ConfigError("--ha needs aetcd: pip install 'isthmus[ha]'") from None
-    return ha_options(args.ha, cfg.name, args.advertise or "", args.ha_ttl)
 
 
 def _serve_until_stopped(server, args: argparse.Namespace, ha) -> None:
