@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,8 @@ def report(results, tiny, baseline: int, references: References) -> None:
     body = [(n, *(f"{r.phases[n]:.3f}" if n in r.phases else "-" for r in results)) for n in names]
     print_table(body, heads)
     print()
+    busy = "  ".join(f"{r.size} {r.codec} {r.busy:.0%}" for r in results)
+    print(f"the machine's CPU time busy during the syncs (all {os.cpu_count()} cores): {busy}")
     print(
         f"1 MiB model, default timeouts (5 s heartbeat): a round every {tiny.round_period_s:.3f}s"
     )
@@ -85,6 +88,9 @@ def report(results, tiny, baseline: int, references: References) -> None:
     figures = {f"sync_vs_allreduce_{k}": f"{s / ar:.2f}" for k, (s, ar, _) in by_size}
     figures |= {f"floor_vs_allreduce_{k}": f"{f / ar:.2f}" for k, (_, ar, f) in by_size}
     figures |= {f"sync_vs_floor_{k}": f"{s / f:.2f}" for k, (s, _, f) in by_size}
+    figures |= {
+        f"sync_machine_busy_{r.size}": f"{r.busy:.2f}" for r in results if r.codec == "fp32"
+    }
     figures["round_1mib_s"] = f"{tiny.round_period_s:.3f}"
     figures["coord_rss_over_model"] = f"{worst:.2f}"
     print(" ".join(f"{k}={v}" for k, v in figures.items()))

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.dataplane.machine import MachineBusy
+
 REPO = Path(__file__).resolve().parent.parent
 TRAINER = REPO / "bench" / "sync_trainer.py"
 INT8 = {"default": "int8"}
@@ -30,6 +32,7 @@ class JobResult:
     round_period_s: float
     peak_rss: int
     phases: dict[str, float] = field(default_factory=dict)
+    busy: float = float("nan")  # the machine's busy share of CPU time during the syncs
 
 
 def _env() -> dict[str, str]:
@@ -128,6 +131,7 @@ def run_job(folder: Path, size: str, width: int, depth: int, codec: str, args) -
         stderr=subprocess.STDOUT,
     )
     peak, watching = watch_peak_rss(coord)
+    machine = MachineBusy().start()
     address = _wait_address(folder / "state" / "address", coord)
     sites = [_start_site(folder, i, address, env) for i in range(2)]
     try:
@@ -137,6 +141,7 @@ def run_job(folder: Path, size: str, width: int, depth: int, codec: str, args) -
         coord.wait(timeout=60)
     finally:
         watching.set()
+        machine.stop()
         for p in [*sites, coord]:
             if p.poll() is None:
                 p.kill()
@@ -150,6 +155,7 @@ def run_job(folder: Path, size: str, width: int, depth: int, codec: str, args) -
         _round_period(folder),
         peak[0],
         _phases(folder, args.warm_up),
+        _busy(folder, args.warm_up, machine),
     )
 
 
@@ -207,17 +213,29 @@ def _events(folder: Path) -> list[dict]:
     return read_events(path) if path.exists() else []
 
 
-def _syncs(folder: Path, warm_up: int) -> list[float]:
-    """End of the last inner step of round r to theta_{r+1} loaded, per site and round, from
-    round ``warm_up`` on."""
+def _windows(folder: Path, warm_up: int) -> list[tuple[float, float]]:
+    """(end of the last inner step of round r, theta_{r+1} loaded) in wall time, per site and
+    round, from round ``warm_up`` on."""
     out = []
     for i in range(2):
         rows = {r["round"]: r for r in _lines(folder / f"run-{i}" / "sync_times.jsonl")}
         for r, row in rows.items():
             nxt = rows.get(r + 1)
             if r >= warm_up and "steps_end_wall" in row and nxt is not None:
-                out.append(nxt["loaded_wall"] - row["steps_end_wall"])
+                out.append((row["steps_end_wall"], nxt["loaded_wall"]))
     return out
+
+
+def _syncs(folder: Path, warm_up: int) -> list[float]:
+    """Each sync's seconds (``_windows``)."""
+    return [end - start for start, end in _windows(folder, warm_up)]
+
+
+def _busy(folder: Path, warm_up: int, machine: MachineBusy) -> float:
+    """The median over the syncs of the machine's busy share of CPU time."""
+    shares = [machine.busy(a, b) for a, b in _windows(folder, warm_up)]
+    shares = [x for x in shares if x is not None]
+    return statistics.median(shares) if shares else float("nan")
 
 
 def _round_period(folder: Path) -> float:

@@ -50,7 +50,7 @@ def test_the_last_line_sets_sync_floor_and_all_reduce_side_by_side_largest_model
 
     results = [
         JobResult("5m", "fp32", 5_000_000, [1.0, 3.0, 2.0], 0.0, 0),
-        JobResult("50m", "fp32", 50_000_000, [12.0], 0.0, 0),
+        JobResult("50m", "fp32", 50_000_000, [12.0], 0.0, 0, busy=0.875),
         JobResult("50m", "int8", 50_000_000, [6.0], 0.0, 0),  # in the table, not the ratios
     ]
     tiny = JobResult("1m", "fp32", 262_656, [], 0.125, 0)
@@ -70,4 +70,15 @@ def test_the_last_line_sets_sync_floor_and_all_reduce_side_by_side_largest_model
         "sync_vs_floor_5m=10.00",
     ]
     assert "round_1mib_s=0.125" in last
+    assert "sync_machine_busy_50m=0.88" in last and "sync_machine_busy_5m=nan" in last
     assert seconds == {"allreduce": [5_000_000, 50_000_000], "floor": [5_000_000, 50_000_000]}
+
+
+def test_the_machines_busy_share_is_taken_between_the_samples_inside_a_window():
+    from bench.dataplane.machine import busy_between
+
+    # (wall, busy jiffies, total jiffies): 2 cores, 100 jiffies per second each
+    samples = [(t, busy, 200 * t) for t, busy in [(0, 0), (1, 50), (2, 250), (3, 450), (4, 460)]]
+    assert busy_between(samples, 1.0, 3.0) == 400 / 400  # both cores busy from 1 to 3
+    assert busy_between(samples, 0.5, 4.0) == 410 / 600
+    assert busy_between(samples, 3.5, 3.9) is None  # no two samples inside
