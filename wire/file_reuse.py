@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,3 +85,64 @@ def in_use_here(device: int, inode: int) -> bool:
             return True
     with open("/proc/self/maps") as f:
         return _maps_line(device, inode) in f.read()
+
+
+class SparePool:
+    """Up to ``size`` spares of one kind in ``folder``, for files that outlive their use by
+    different spans (an update is held mapped for a resend until the round after next): the
+    next file takes the oldest spare nothing reads, and a spare still read waits its turn."""
+
+    def __init__(self, folder: Path, size: int = 3) -> None:
+        self.folder, self.size = Path(folder), size
+
+    def _spares(self) -> list[Path]:
+        try:
+            if not stat.S_ISDIR(os.lstat(self.folder).st_mode):
+                return []
+            entries = list(os.scandir(self.folder))
+        except OSError:
+            return []
+        found = []
+        for e in entries:
+            try:
+                found.append((e.stat(follow_symlinks=False).st_mtime, e.path))
+            except OSError:  # taken meanwhile
+                continue
+        return [Path(p) for _, p in sorted(found)]
+
+    def keep(self, path: Path) -> None:
+        """Keep ``path`` (no longer needed under its name) as a spare, or remove it when the
+        pool is full or cannot be made."""
+        try:
+            if not stat.S_ISDIR(os.lstat(self.folder).st_mode):
+                remove_any(self.folder)  # a link or a file in the pool's place is never used
+                self.folder.mkdir()
+        except FileNotFoundError:
+            self.folder.mkdir(exist_ok=True)
+        except OSError:
+            Path(path).unlink(missing_ok=True)
+            return
+        if len(self._spares()) >= self.size or not overwritable(Path(path)):
+            Path(path).unlink(missing_ok=True)
+            return
+        try:
+            os.replace(path, self.folder / f"{uuid.uuid4().hex}.spare")
+        except OSError:
+            Path(path).unlink(missing_ok=True)
+
+    def take(self, dest: Path, in_use: InUse) -> bool:
+        """Move the oldest spare that ``in_use`` says nothing reads to ``dest``; False when
+        there is none (what is not a regular file is removed on the way)."""
+        for spare in self._spares():
+            try:
+                st = os.lstat(spare)
+                if not stat.S_ISREG(st.st_mode):
+                    remove_any(spare)
+                    continue
+                if in_use(st.st_dev, st.st_ino):
+                    continue
+                os.replace(spare, dest)
+            except OSError:  # taken by another writer meanwhile
+                continue
+            return True
+        return False

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from wire.data_units import UnitError, parse_unit, unit_id
+from wire.file_reuse import SparePool
 from wire.proto import isthmus_pb2 as pb
 
 
@@ -72,6 +73,15 @@ def describe(task: Task) -> str:
     return f"round {round_number}" + (f" unit {unit}" if unit else "")
 
 
+UPDATE_SPARES = "update-spares"
+
+
+def update_spares(folder: Path) -> SparePool:
+    """The spares of update files in the trainers' scratch ``folder``: a new update file is
+    the shared memory of an old one written over, not new pages (``wire.file_reuse``)."""
+    return SparePool(Path(folder) / UPDATE_SPARES)
+
+
 @dataclass
 class Upload:
     """An update the trainers handed over: the files holding theta_r - theta_local (one per
@@ -101,8 +111,11 @@ class Upload:
     resent: bool = False  # counted before, taken back because the coordinator asked again
 
     def discard_files(self) -> None:
+        """The update's files are no longer needed: each is kept for a later update of the
+        trainers to be written over (a held payload keeps its mapping; it is not taken while
+        that lasts)."""
         for path in self.paths:
-            Path(path).unlink(missing_ok=True)
+            update_spares(Path(path).parent).keep(Path(path))
 
 
 @dataclass

@@ -23,6 +23,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from site_client.agent.tasks import update_spares
+from wire.file_reuse import mapped_anywhere
 from wire.safetensors_io import MappedTensors, canonical_order, contiguous_manifest, create_mapped
 
 BOXES_KEY = "isthmus.boxes"  # safetensors metadata: {name: {"offset": [...], "shape": [...]}}
@@ -144,7 +146,10 @@ def write_update(
     }
     manifest = contiguous_manifest(like, canonical_order(like))
     tmp = path.with_suffix(".tmp")
-    out = create_mapped(tmp, manifest, {BOXES_KEY: json.dumps(boxes)})
+    # Over an earlier update's file nothing maps any more (the agent's resend copy is gone):
+    # its pages are kept rather than new ones zeroed; every byte is written again below.
+    reuse = update_spares(path.parent).take(tmp, mapped_anywhere)
+    out = create_mapped(tmp, manifest, {BOXES_KEY: json.dumps(boxes)}, reuse=reuse)
     for p in mine:
         source = theta.tensors[p.name][p.box]
         if source.dtype == torch.float32 and p.local.dtype == torch.float32:
