@@ -21,7 +21,7 @@ from core_helpers import Clock, core_config, push
 from coordinator.core import CoordinatorCore
 from coordinator.model_source import initial_theta
 from coordinator.shards.link import CountedUpdate, ShardLead
-from coordinator.shards.receipts import KEY_FILE, create_key, load_key
+from coordinator.shards.receipts import KEY_FILE, ShardPass, create_key, load_key, sign_pass
 from wire.identity import Bundle, init_ca, issue
 from wire.net.channel import open_channel
 from wire.proto import isthmus_pb2 as pb
@@ -209,9 +209,12 @@ def push_part(
     part: Part,
     weight: float,
     timeout: float = 600.0,
+    shard_pass: bytes = b"",
 ) -> pb.PushReply:
-    """Push ``part`` whole on one stream; the reply carries the shard's receipt."""
+    """Push ``part`` whole on one stream (with the lead's ``shard_pass``); the reply carries
+    the shard's receipt."""
     header = pb.PushHeader(
+        shard_pass=shard_pass,
         lease=pb.Lease(site=site),
         round=round_number,
         upload_id=upload_id,
@@ -231,11 +234,12 @@ def push_part(
 
 
 def fetch_part(
-    stub: pb_grpc.ShardStub, site: str, timeout: float = 600.0
+    stub: pb_grpc.ShardStub, site: str, timeout: float = 600.0, shard_pass: bytes = b""
 ) -> tuple[int, dict[str, torch.Tensor]]:
-    """The version a shard serves and its tensors of that theta."""
+    """The version a shard serves and its tensors of that theta (with the lead's pass)."""
     header, buf = None, bytearray()
-    for msg in stub.Fetch(pb.FetchRequest(lease=pb.Lease(site=site)), timeout=timeout):
+    request = pb.FetchRequest(lease=pb.Lease(site=site), shard_pass=shard_pass)
+    for msg in stub.Fetch(request, timeout=timeout):
         if msg.HasField("header"):
             header = msg.header
             buf = bytearray(header.manifest.total_bytes)
@@ -253,10 +257,10 @@ def push_update(shards, pki, site, r, update, plan, upload_id=None):
     upload_id = upload_id or f"{site}-r{r}"
     parts = split_update(update, plan)
     receipts = []
+    granted = pass_of(shards, site, r)
     for part in parts:
-        reply = push_part(
-            stub(shards[part.shard].address, pki, site), site, r, upload_id, part, 1.0
-        )
+        to = stub(shards[part.shard].address, pki, site)
+        reply = push_part(to, site, r, upload_id, part, 1.0, shard_pass=granted)
         assert reply.complete and reply.receipt
         receipts.append(reply.receipt)
     digests = tuple(p.manifest.digest for p in parts)
@@ -269,10 +273,18 @@ def lead_of(shards, pki, plan, who: str = "lead"):
     return ShardLead([stub(s.address, pki, who) for s in shards], plan, key)
 
 
+def pass_of(shards, site: str, version: int) -> bytes:
+    """The lead's pass for ``site`` and ``version``, as the lead signs it."""
+    return sign_pass(load_key(shards[0].key), ShardPass(site, version))
+
+
 def fetch_all(shards, pki) -> tuple[set[int], dict[str, torch.Tensor]]:
+    """Each shard's part as site-a fetches it (with the pass of the version each serves)."""
     versions, theta = set(), {}
     for s in shards:
-        version, tensors = fetch_part(stub(s.address, pki, "site-a"), "site-a")
+        served = stub(s.address, pki, "ops").Status(pb.ShardStatusRequest(), timeout=10).version
+        granted = pass_of(shards, "site-a", served)
+        version, tensors = fetch_part(stub(s.address, pki, "site-a"), "site-a", shard_pass=granted)
         versions.add(version)
         theta.update(tensors)
     return versions, theta

@@ -13,8 +13,10 @@ from shard_helpers import (
     Part,
     delta,
     fetch_all,
+    fetch_part,
     lead_of,
     make_pki,
+    pass_of,
     plan_of,
     push_part,
     push_update,
@@ -135,7 +137,15 @@ def test_a_part_sent_to_the_wrong_shard_is_refused_naming_its_owner(two, pki):
     wrong = split_update({name: update[name]}, plan)[1]  # a tensor shard 1 owns
     before = _status(shards[0], pki)
     err = _refused(
-        lambda: push_part(stub(shards[0].address, pki, "site-a"), "site-a", 0, "w1", wrong, 1.0)
+        lambda: push_part(
+            stub(shards[0].address, pki, "site-a"),
+            "site-a",
+            0,
+            "w1",
+            wrong,
+            1.0,
+            shard_pass=pass_of(shards, "site-a", 0),
+        )  # fmt: skip
     )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"tensor {name!r} belongs to shard 1" in err.details()
@@ -147,6 +157,7 @@ def test_what_a_site_or_the_lead_sends_wrong_changes_nothing(two, pki):
     shards, plan = two
     part = split_update(delta(theta_0(), "site-a", 0), plan)[0]
     to = lambda who: stub(shards[0].address, pki, who)  # noqa: E731
+    granted = lambda r: pass_of(shards, "site-a", r)  # noqa: E731
     before = _status(shards[0], pki)
 
     def refused(call, code, words):
@@ -159,7 +170,7 @@ def test_what_a_site_or_the_lead_sends_wrong_changes_nothing(two, pki):
     refused(lambda: push_part(to("site-b"), "site-a", 0, "x1", part, 1.0), denied, "site-b")
     # a part for a round that is not open
     refused(
-        lambda: push_part(to("site-a"), "site-a", 5, "x2", part, 1.0),
+        lambda: push_part(to("site-a"), "site-a", 5, "x2", part, 1.0, shard_pass=granted(5)),
         grpc.StatusCode.FAILED_PRECONDITION,
         "round 5 is not open yet",
     )
@@ -168,7 +179,7 @@ def test_what_a_site_or_the_lead_sends_wrong_changes_nothing(two, pki):
     flipped[3] ^= 0x40
     bad = Part(0, part.manifest, memoryview(flipped))
     refused(
-        lambda: push_part(to("site-a"), "site-a", 0, "x3", bad, 1.0),
+        lambda: push_part(to("site-a"), "site-a", 0, "x3", bad, 1.0, shard_pass=granted(0)),
         grpc.StatusCode.DATA_LOSS,
         "refused",
     )
@@ -196,7 +207,7 @@ def test_what_a_site_or_the_lead_sends_wrong_changes_nothing(two, pki):
     assert _status(shards[0], pki) == before
 
     # a receipt checks only for what the shard signed
-    reply = push_part(to("site-a"), "site-a", 0, "good", part, 1.0)
+    reply = push_part(to("site-a"), "site-a", 0, "good", part, 1.0, shard_pass=granted(0))
     lead = lead_of(shards, pki, plan)
     try:
         sig, digest = reply.receipt, part.manifest.digest
@@ -213,3 +224,39 @@ def test_what_a_site_or_the_lead_sends_wrong_changes_nothing(two, pki):
         assert lead.missing_receipts("site-a", 0, "good", [digest], 1.0, [sig]) == [0, 1]
     finally:
         lead.shutdown()
+
+
+def test_a_site_without_the_leads_pass_gets_nothing_from_a_shard(two, pki):
+    """The lead gives a site a pass with theta (``FetchHeader.shard_pass``) only while it
+    leases it: without one, with another site's or another version's, a shard takes no part
+    and serves none, and says why; the lead's own fetch (its certificate) needs none."""
+    shards, plan = two
+    part = split_update(delta(theta_0(), "site-a", 0), plan)[0]
+    to = lambda who: stub(shards[0].address, pki, who)  # noqa: E731
+    before = _status(shards[0], pki)
+    v = before.version
+    aborted = grpc.StatusCode.ABORTED
+    for wrong in (b"", pass_of(shards, "site-b", v), pass_of(shards, "site-a", v + 1), b"\0" * 32):
+        err = _refused(
+            lambda w=wrong: push_part(to("site-a"), "site-a", v, "p1", part, 1.0, shard_pass=w)
+        )
+        assert err.code() == aborted and "carries no valid pass of the lead" in err.details()
+        err = _refused(lambda w=wrong: fetch_part(to("site-a"), "site-a", shard_pass=w))
+        assert err.code() == aborted and "fetch theta from the coordinator first" in err.details()
+    assert _status(shards[0], pki) == before
+    version, tensors = fetch_part(to("site-a"), "site-a", shard_pass=pass_of(shards, "site-a", v))
+    assert version == v and set(tensors) == set(plan.names(0))
+    version, _ = fetch_part(to("lead"), "lead")  # the lead, for the final model
+    assert version == v
+
+
+def test_a_pass_binds_its_site_and_version():
+    from coordinator.shards.receipts import ShardPass, pass_valid, sign_pass
+
+    key = b"k" * 32
+    mac = sign_pass(key, ShardPass("site-a", 3))
+    assert pass_valid(key, ShardPass("site-a", 3), mac)
+    assert not pass_valid(key, ShardPass("site-a", 4), mac)
+    assert not pass_valid(key, ShardPass("site-b", 3), mac)
+    assert not pass_valid(b"j" * 32, ShardPass("site-a", 3), mac)
+    assert not pass_valid(key, ShardPass("site-a", 3), mac[:-1] + bytes([mac[-1] ^ 1]))

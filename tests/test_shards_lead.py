@@ -15,6 +15,7 @@ from shard_helpers import (
     STRATEGY,
     delta,
     make_pki,
+    pass_of,
     plan_of,
     push_part,
     split_update,
@@ -80,7 +81,9 @@ def _push(core, site, token, parts, digests, receipts, upload_id):
 def _parts(core, shards, pki, site, plan, upload_id):
     update = delta(theta_0(), site, 0)
     parts = split_update(update, plan)
-    reply = push_part(stub(shards[1].address, pki, site), site, 0, upload_id, parts[1], 1.0)
+    granted = pass_of(shards, site, 0)
+    to = stub(shards[1].address, pki, site)
+    reply = push_part(to, site, 0, upload_id, parts[1], 1.0, shard_pass=granted)
     return parts, [b"", parts[1].manifest.digest], [b"", reply.receipt]
 
 

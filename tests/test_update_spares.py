@@ -95,4 +95,3 @@ def test_nothing_is_written_through_a_link_in_the_pool_or_in_its_place(tmp_path)
     link.symlink_to(target)
     pool.keep(link)  # only a regular file becomes a spare
     assert not list(pool_dir.iterdir()) and target.read_bytes() == b"keep me"
-

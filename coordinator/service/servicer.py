@@ -299,6 +299,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             request.lease.site, request.lease.token, version, start, held, length
         )
         header = pb.FetchHeader(version=pub.version, theta_hash=pub.theta_hash)
+        if self.core.shards is not None:  # a leased site: the shards' parts are its too
+            header.shard_pass = self.core.shards.pass_for(request.lease.site, pub.version)
         stop = None if length is None else start + length  # in range: checked by the core
         if as_delta:
             header.from_version = pub.delta_from

@@ -32,6 +32,7 @@ from coordinator.persist.local_store import StoreError, write_atomic
 from coordinator.records import PushHeader, Refused
 from coordinator.shards.link import CountedUpdate, ShardLead
 from coordinator.shards.part_store import TensorRecord, records_of
+from coordinator.shards.receipts import ShardPass, sign_pass
 from wire.backoff import BackoffPolicy, next_delay
 from wire.digest import compose
 from wire.proto import isthmus_pb2 as pb
@@ -161,6 +162,11 @@ class LeadShards:
                 f"no valid receipt of shard {bad[0]} ({self.addresses[bad[0]]}) for upload "
                 f"{header.upload_id} of round {header.round}: push that part to it again",
             )
+
+    def pass_for(self, site: str, version: int) -> bytes:
+        """The pass ``site`` shows the shards for theta ``version`` and round ``version``
+        (``coordinator.shards.receipts.ShardPass``): given with theta to a leased site."""
+        return sign_pass(self.key, ShardPass(site, version))
 
     def refuse_foreign(self, names: Sequence[str]) -> None:
         """Refuse tensors of other shards in the lead's part, naming their shard."""

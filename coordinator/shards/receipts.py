@@ -53,6 +53,30 @@ def valid(key: bytes, receipt: PartReceipt, mac: bytes) -> bool:
     return hmac.compare_digest(sign(key, receipt), bytes(mac))
 
 
+@dataclass(frozen=True)
+class ShardPass:
+    """What a pass vouches for: the lead leased ``site`` when it served it theta ``version``,
+    so the shards let it fetch their parts of that theta and push theirs of round ``version``.
+    A site the lead no longer leases (lapsed, drained, never joined) gets no pass for the next
+    version, and so nothing more from the shards."""
+
+    site: str
+    version: int
+
+    def message(self) -> bytes:
+        site = self.site.encode()
+        return b"pass\0" + struct.pack("<QI", self.version, len(site)) + site
+
+
+def sign_pass(key: bytes, granted: ShardPass) -> bytes:
+    return hmac.new(key, granted.message(), hashlib.sha256).digest()
+
+
+def pass_valid(key: bytes, granted: ShardPass, mac: bytes) -> bool:
+    """Whether ``mac`` is the pass's signature (compared in constant time)."""
+    return hmac.compare_digest(sign_pass(key, granted), bytes(mac))
+
+
 def create_key(path: Path) -> bytes:
     """A new key at ``path`` (mode 0600), or the one already there."""
     path = Path(path)

@@ -95,7 +95,8 @@ class ShardServicer(pb_grpc.ShardServicer):
         if first is None or first.WhichOneof("kind") != "header":
             raise Refused("invalid", "a push stream starts with a PushHeader")
         h = first.header
-        self._auth(context, ("site",), h.lease.site)
+        if self._auth(context, ("site",), h.lease.site) is not None:  # None: --insecure
+            self.core.check_pass(h.lease.site, h.round, h.shard_pass, "a part")
         refuse_unknown_fields(first)
         piece = Piece(h.piece.offset, h.piece.length) if h.HasField("piece") else None
         header = PushHeader(
@@ -130,7 +131,7 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     def fetch_parts(self, request: pb.FetchRequest, context):
         """The header, then ``(offset, bytes)`` chunks of the part of theta served."""
-        self._auth(context, ("site", "coordinator"), None)
+        who = self._auth(context, ("site", "coordinator"), None)
         refuse_unknown_fields(request)
         core = self.core
         file, stored = core.file, core.stored  # one version for the whole stream
@@ -142,6 +143,8 @@ class ShardServicer(pb_grpc.ShardServicer):
                 f"shard {core.spec.index} serves theta_{stored.version}, "
                 f"not theta_{request.version}",
             )
+        if who is not None and who.role == "site":  # the lead reads every version it asks for
+            core.check_pass(who.name, stored.version, request.shard_pass, "a fetch")
         total = file.manifest.total_bytes
         start = request.offset
         stop = start + request.length if request.HasField("length") else total

@@ -31,7 +31,7 @@ from coordinator.round.close import step_by_tensor
 from coordinator.round.round_tensors import RoundTensors
 from coordinator.shards.fence import AlignStep, EpochFence, align_compute
 from coordinator.shards.part_store import FoldedPart, PartStore, StoredPart, records_of
-from coordinator.shards.receipts import PartReceipt, sign
+from coordinator.shards.receipts import PartReceipt, ShardPass, pass_valid, sign
 from strategies import Strategy
 from strategies.base import Aggregate, all_finite, call_hook, check_outer_result, steps_in_place
 from wire.safetensors_io import read_header
@@ -148,6 +148,17 @@ class ShardCore:
             )
         key = UpdateKey(header.site, unit=header.upload_id)
         return self.intake.open(header, Admission(key, r, r))
+
+    def check_pass(self, site: str, version: int, mac: bytes, what: str) -> None:
+        """Refuse ``site`` unless ``mac`` is the lead's pass for it and ``version``: the lead
+        gives one with theta_version to a site it leases, and to no other."""
+        if not pass_valid(self.key, ShardPass(site, version), mac):
+            raise Refused(
+                "lease",
+                f"shard {self.spec.index}: {what} of {site} for {version} carries no valid pass "
+                "of the lead: fetch theta from the coordinator first (a site whose lease lapsed, "
+                "or that was drained, gets none)",
+            )
 
     def write(self, upload: Upload, offset: int, data, piece=None) -> None:
         self.intake.write(upload, offset, data, piece)

@@ -23,6 +23,7 @@ import torch
 
 from site_client.agent.update_payload import UpdatePayload
 from site_client.errors import CoordinatorError
+from site_client.transfer.movers import first_header
 from site_client.transfer.theta import MAX_RESTARTS, GlobalState
 from wire.bulk import BulkStub, chunk_frame, parse_chunk
 from wire.chunking import tensor_pieces
@@ -106,11 +107,14 @@ class ShardRoutes:
     def _push_one(self, i: int, r: int, part: UpdatePayload, upload_id: str, w: float) -> bytes:
         c = self.client
 
+        shard_pass = self.pass_for(r)
+
         def header(reserve: bool) -> bytes:
             return pb.PushMessage(
                 header=pb.PushHeader(
                     lease=pb.Lease(site=c.site), round=r, upload_id=upload_id,
                     manifest=part.manifest.to_proto(), weight=w, base_version=r, reserve=reserve,
+                    shard_pass=shard_pass,
                 )
             ).SerializeToString()  # fmt: skip
 
@@ -253,8 +257,29 @@ class ShardRoutes:
         return c.call(f"fetch from shard {i}", attempt)
 
     def _request(self, version: int) -> pb.FetchRequest:
-        """A shard's part of theta_``version`` (a shard knows a site by its certificate)."""
-        return pb.FetchRequest(lease=pb.Lease(site=self.client.site), version=version)
+        """A shard's part of theta_``version`` (a shard knows a site by its certificate, and
+        serves it with the lead's pass)."""
+        return pb.FetchRequest(
+            lease=pb.Lease(site=self.client.site),
+            version=version,
+            shard_pass=self.pass_for(version),
+        )
+
+    def pass_for(self, version: int) -> bytes:
+        """The lead's pass for theta ``version`` and round ``version``: as it came with that
+        theta, else asked of the lead now (a header-only fetch of that version)."""
+        c = self.client
+        known = c.theta.shard_passes.get(version)
+        if known is not None:
+            return known
+
+        def ask() -> bytes:
+            request = pb.FetchRequest(lease=c.lease, version=version, length=1)
+            return first_header(c, request, drain=True).header.shard_pass
+
+        got = c.call("fetch the shards' pass", ask)
+        c.theta.shard_passes[version] = got
+        return got
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

@@ -146,6 +146,8 @@ class ThetaFetcher:
         self.opened_ahead = 0  # pieces whose call was made before the one before them ended
         # A sharded job: the coordinator serves its part of theta, checked once assembled.
         self.sharded = False
+        # A sharded job's: the lead's pass for each recent version fetched (``FetchHeader``).
+        self.shard_passes: dict[int, bytes] = {}
 
     def fetch(
         self, version: int | None = None, held: GlobalState | None = None, dest: Path | None = None
@@ -227,6 +229,12 @@ class ThetaFetcher:
         finally:
             progress.finish(complete)
 
+    def note_pass(self, header: pb.FetchHeader) -> None:
+        """Keep the lead's shard pass of ``header``'s version (the four newest)."""
+        self.shard_passes[header.version] = bytes(header.shard_pass)
+        for old in sorted(self.shard_passes)[:-4]:
+            del self.shard_passes[old]
+
     def _fetch_once(self, version, from_version, dest, progress: TransferProgress):
         """The first header, then every piece of the payload it heads, into a new sink."""
         c = self.client
@@ -245,6 +253,8 @@ class ThetaFetcher:
 
         first = c.call("fetch", ask)
         header = first.header
+        if header.shard_pass:
+            self.note_pass(header)
         manifest = Manifest.from_proto(header.manifest)
         delta = header.HasField("from_version")
         if delta and not manifest.digest:

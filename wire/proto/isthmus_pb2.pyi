@@ -244,36 +244,40 @@ class WaitRoundReply(_message.Message):
     def __init__(self, round: _Optional[_Union[RoundInfo, _Mapping]] = ..., commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("lease", "version", "from_version", "offset", "length", "block_digests")
+    __slots__ = ("lease", "version", "from_version", "offset", "length", "block_digests", "shard_pass")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_PASS_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     version: int
     from_version: int
     offset: int
     length: int
     block_digests: bool
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., version: _Optional[int] = ..., from_version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., block_digests: _Optional[bool] = ...) -> None: ...
+    shard_pass: bytes
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., version: _Optional[int] = ..., from_version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., block_digests: _Optional[bool] = ..., shard_pass: _Optional[bytes] = ...) -> None: ...
 
 class FetchHeader(_message.Message):
-    __slots__ = ("version", "from_version", "theta_hash", "manifest", "block_bytes", "block_digests")
+    __slots__ = ("version", "from_version", "theta_hash", "manifest", "block_bytes", "block_digests", "shard_pass")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
     THETA_HASH_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_PASS_FIELD_NUMBER: _ClassVar[int]
     version: int
     from_version: int
     theta_hash: bytes
     manifest: Manifest
     block_bytes: int
     block_digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, version: _Optional[int] = ..., from_version: _Optional[int] = ..., theta_hash: _Optional[bytes] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., block_bytes: _Optional[int] = ..., block_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    shard_pass: bytes
+    def __init__(self, version: _Optional[int] = ..., from_version: _Optional[int] = ..., theta_hash: _Optional[bytes] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., block_bytes: _Optional[int] = ..., block_digests: _Optional[_Iterable[bytes]] = ..., shard_pass: _Optional[bytes] = ...) -> None: ...
 
 class FetchMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -292,7 +296,7 @@ class ByteRange(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("lease", "round", "upload_id", "data_unit", "manifest", "weight", "base_version", "reserve", "piece", "keep_open", "shard_digests", "shard_receipts")
+    __slots__ = ("lease", "round", "upload_id", "data_unit", "manifest", "weight", "base_version", "reserve", "piece", "keep_open", "shard_digests", "shard_receipts", "shard_pass")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +309,7 @@ class PushHeader(_message.Message):
     KEEP_OPEN_FIELD_NUMBER: _ClassVar[int]
     SHARD_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     SHARD_RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_PASS_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     round: int
     upload_id: str
@@ -317,7 +322,8 @@ class PushHeader(_message.Message):
     keep_open: bool
     shard_digests: _containers.RepeatedScalarFieldContainer[bytes]
     shard_receipts: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[int] = ..., upload_id: _Optional[str] = ..., data_unit: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., weight: _Optional[float] = ..., base_version: _Optional[int] = ..., reserve: _Optional[bool] = ..., piece: _Optional[_Union[ByteRange, _Mapping]] = ..., keep_open: _Optional[bool] = ..., shard_digests: _Optional[_Iterable[bytes]] = ..., shard_receipts: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    shard_pass: bytes
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., round: _Optional[int] = ..., upload_id: _Optional[str] = ..., data_unit: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., weight: _Optional[float] = ..., base_version: _Optional[int] = ..., reserve: _Optional[bool] = ..., piece: _Optional[_Union[ByteRange, _Mapping]] = ..., keep_open: _Optional[bool] = ..., shard_digests: _Optional[_Iterable[bytes]] = ..., shard_receipts: _Optional[_Iterable[bytes]] = ..., shard_pass: _Optional[bytes] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")
