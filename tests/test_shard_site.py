@@ -87,3 +87,44 @@ def test_a_layout_from_names_dtypes_and_shapes_is_the_one_of_the_tensors():
     }
     specs = [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
     assert layout_of(specs) == contiguous_manifest(tensors, canonical_order(tensors))
+
+
+class _Coordinator:
+    """The coordinator's side of a header-only fetch, for ``ShardRoutes.pass_for`` (a unit
+    test: the site's request and what it keeps are what is checked)."""
+
+    def __init__(self) -> None:
+        self.asked: list = []
+
+    def Fetch(self, request, timeout):  # noqa: N802 - the stub's method name
+        from wire.bulk import chunk_frame
+        from wire.proto import isthmus_pb2 as pb
+
+        self.asked.append(request)
+        header = pb.FetchHeader(version=request.version, shard_pass=b"P%d" % request.version)
+        return iter([header.SerializeToString(), chunk_frame(0, b"x")])
+
+
+def test_a_site_without_a_pass_asks_the_coordinator_for_it_once():
+    from types import SimpleNamespace
+
+    from site_client.transfer.sharded import ShardRoutes
+    from wire.proto import isthmus_pb2 as pb
+
+    coordinator = _Coordinator()
+    client = SimpleNamespace(
+        theta=SimpleNamespace(shard_passes={4: b"known"}),
+        lease=pb.Lease(site="site-a", token=7),
+        bulk=coordinator,
+        transfer_timeout_s=5.0,
+        bytes_received=0,
+        call=lambda describe, fn: fn(),
+    )
+    routes = ShardRoutes.__new__(ShardRoutes)  # its streams to shards are not needed here
+    routes.client = client
+    assert routes.pass_for(4) == b"known" and not coordinator.asked  # as it came with theta_4
+    assert routes.pass_for(5) == b"P5"
+    (asked,) = coordinator.asked
+    assert asked.version == 5 and asked.length == 1 and asked.lease.token == 7
+    assert routes.pass_for(5) == b"P5" and len(coordinator.asked) == 1  # kept
+    assert client.bytes_received == 1
