@@ -128,3 +128,72 @@ def test_a_site_without_a_pass_asks_the_coordinator_for_it_once():
     assert asked.version == 5 and asked.length == 1 and asked.lease.token == 7
     assert routes.pass_for(5) == b"P5" and len(coordinator.asked) == 1  # kept
     assert client.bytes_received == 1
+
+
+class _Shard:
+    """A shard's Fetch as raw frames (header, then 1 KiB chunks) of the part it holds."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        self.manifest, self.payload = pack(tensors)
+        self.version, self.asked = version, []
+
+    def Fetch(self, request, timeout):  # noqa: N802 - the stub's method name
+        from wire.bulk import chunk_frame
+        from wire.proto import isthmus_pb2 as pb
+
+        self.asked.append(request)
+        header = pb.FetchHeader(version=self.version, manifest=self.manifest.to_proto())
+        data = bytes(self.payload)
+        chunks = [chunk_frame(o, data[o : o + 1024]) for o in range(0, len(data), 1024)]
+        return _Call([header.SerializeToString(), *chunks])
+
+
+class _Call:
+    """A call's frames, cancellable as a gRPC call is."""
+
+    def __init__(self, frames: list[bytes]) -> None:
+        self._frames = iter(frames)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> bytes:
+        return next(self._frames)
+
+    def cancel(self) -> None:
+        self._frames = iter(())
+
+
+@pytest.mark.parametrize("into_file", [False, True], ids=["memory", "file"])
+def test_theta_is_assembled_from_the_parts_the_same_in_memory_and_in_a_file(tmp_path, into_file):
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from site_client.transfer.sharded import ShardRoutes
+    from site_client.transfer.theta import GlobalState
+
+    theta = _update()
+    names = sorted(theta)
+    own = {n: theta[n] for n in names[::2]}  # the coordinator's part
+    shard = _Shard({n: theta[n] for n in names[1::2]}, version=3)
+    routes = ShardRoutes.__new__(ShardRoutes)  # the streams of a site with one shard beside
+    routes.client = SimpleNamespace(
+        site="site-a",
+        theta=SimpleNamespace(shard_passes={3: b"pass-3"}),
+        rpc_timeout_s=5.0,
+        transfer_timeout_s=5.0,
+        bytes_received=0,
+        call=lambda describe, fn: fn(),
+    )
+    routes.k, routes._stubs = 2, {1: shard}
+    routes._pool = ThreadPoolExecutor(max_workers=1)
+    dest = tmp_path / "theta.safetensors" if into_file else None
+    try:
+        tensors, file = routes._assemble(GlobalState(3, own, b""), dest)
+    finally:
+        routes._pool.shutdown()
+    assert (file is not None) == into_file
+    assert sorted(tensors) == names
+    assert all(torch.equal(tensors[n], theta[n]) for n in names)
+    assert all(r.version == 3 and r.shard_pass == b"pass-3" for r in shard.asked)
+    assert routes.client.bytes_received == shard.manifest.total_bytes

@@ -6,8 +6,9 @@ first, each on its own stream to its shard, side by side (``ShardRoutes.push_par
 shard answers with a receipt, which the site carries, with the parts' digests, in the header
 of its part for the coordinator (shard 0), pushed last through the transfer engine as any
 update. theta comes down the same way: the coordinator's part through the engine, the other
-parts from their shards side by side, all into one file laid out as theta, which is checked
-against theta's state digest as a whole (``ShardRoutes.assemble``).
+parts from their shards side by side, all into one file (or one buffer) laid out as theta,
+which is checked against theta's state digest as a whole (``ShardRoutes._assemble``). Every
+call to a shard carries the lead's pass for the site and version (``ShardRoutes.pass_for``).
 """
 
 from __future__ import annotations
@@ -148,11 +149,7 @@ class ShardRoutes:
             part_file = dest.with_name(dest.name + ".part0") if dest is not None else None
             own = self.client.theta.fetch(version, None, part_file)
             try:
-                if dest is None:
-                    whole, file = {**own.theta, **self.fetch_parts(own.version)}, None
-                else:
-                    file = self._into_file(own, dest)
-                    whole = file.tensors
+                whole, file = self._assemble(own, dest)
             except CoordinatorError as exc:
                 if exc.code != grpc.StatusCode.NOT_FOUND or version is not None:
                     raise
@@ -171,26 +168,32 @@ class ShardRoutes:
             grpc.StatusCode.NOT_FOUND, f"fetch: theta changed {MAX_RESTARTS} times during one fetch"
         )
 
-    def _into_file(self, own: GlobalState, dest: Path) -> MappedTensors:
-        """theta's file at ``dest``, laid out from every part's manifest (each shard's header
-        asked for first), the coordinator's tensors copied in and every shard's streamed into
-        place: a chunk at a time, never a part in memory."""
+    def _assemble(
+        self, own: GlobalState, dest: Path | None
+    ) -> tuple[dict[str, torch.Tensor], MappedTensors | None]:
+        """theta whole, laid out from every part's manifest (each shard's header asked for
+        first): in the one file at ``dest`` (else in memory), the coordinator's tensors copied
+        in and every shard's streamed into place a chunk at a time, never a part held apart."""
         jobs = [self._pool.submit(self._manifest_of, i, own.version) for i in range(1, self.k)]
         parts = {i: job.result() for i, job in zip(range(1, self.k), jobs, strict=True)}
         specs = [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in own.theta.items()]
         specs += [(e.name, e.dtype, tuple(e.shape)) for m in parts.values() for e in m.entries]
-        # Every byte is written and checked by theta's digest: a spare there is written over.
-        file = create_mapped(dest, layout_of(specs), reuse=True)
+        layout, file = layout_of(specs), None
+        if dest is None:
+            buffer = bytearray(layout.total_bytes)
+            tensors, view = unpack(layout, buffer), memoryview(buffer)
+        else:  # every byte is written and checked by theta's digest: a spare is written over
+            file = create_mapped(dest, layout, reuse=True)
+            tensors, view = file.tensors, file.payload()
         for name, t in own.theta.items():
-            file.tensors[name].copy_(t)
-        view = file.payload()
-        at = {e.name: e.offset for e in file.manifest.entries}
+            tensors[name].copy_(t)
+        at = {e.name: e.offset for e in layout.entries}
         streams = [
             self._pool.submit(self._stream_one, i, own.version, parts[i], view, at) for i in parts
         ]
         for job in streams:
             job.result()
-        return file
+        return tensors, file
 
     def _manifest_of(self, i: int, version: int) -> Manifest:
         c = self.client
@@ -226,35 +229,6 @@ class ShardRoutes:
                 c.bytes_received += len(data)
 
         c.call(f"fetch from shard {i}", attempt)
-
-    def fetch_parts(self, version: int) -> dict[str, torch.Tensor]:
-        """Every other shard's tensors of theta_``version``; ``NOT_FOUND`` when a shard
-        serves another version (the round closed meanwhile: fetch again)."""
-        jobs = [self._pool.submit(self._fetch_one, i, version) for i in range(1, self.k)]
-        theta: dict[str, torch.Tensor] = {}
-        for job in jobs:
-            theta.update(job.result())
-        return theta
-
-    def _fetch_one(self, i: int, version: int) -> dict[str, torch.Tensor]:
-        c = self.client
-
-        def attempt() -> dict[str, torch.Tensor]:
-            request = self._request(version)
-            header, buf = None, bytearray()
-            for frame in self._stubs[i].Fetch(request, timeout=c.transfer_timeout_s):
-                if header is None:
-                    header = pb.FetchHeader.FromString(frame)
-                    buf = bytearray(header.manifest.total_bytes)
-                    continue
-                offset, data = parse_chunk(frame)
-                buf[offset : offset + len(data)] = data
-            if header is None:
-                raise CoordinatorError(grpc.StatusCode.UNAVAILABLE, f"shard {i}: no header")
-            c.bytes_received += len(buf)
-            return unpack(Manifest.from_proto(header.manifest), buf)
-
-        return c.call(f"fetch from shard {i}", attempt)
 
     def _request(self, version: int) -> pb.FetchRequest:
         """A shard's part of theta_``version`` (a shard knows a site by its certificate, and
