@@ -89,6 +89,16 @@ def test_a_layout_from_names_dtypes_and_shapes_is_the_one_of_the_tensors():
     assert layout_of(specs) == contiguous_manifest(tensors, canonical_order(tensors))
 
 
+def _fetcher(passes: dict[int, bytes]):
+    """The site's theta fetcher, holding the passes of the versions it fetched."""
+    from site_client.transfer.theta import ThetaFetcher
+
+    fetcher = ThetaFetcher(client=None)
+    for version, mac in passes.items():
+        fetcher.note_pass(version, mac)
+    return fetcher
+
+
 class _Coordinator:
     """The coordinator's side of a header-only fetch, for ``ShardRoutes.pass_for`` (a unit
     test: the site's request and what it keeps are what is checked)."""
@@ -113,7 +123,7 @@ def test_a_site_without_a_pass_asks_the_coordinator_for_it_once():
 
     coordinator = _Coordinator()
     client = SimpleNamespace(
-        theta=SimpleNamespace(shard_passes={4: b"known"}),
+        theta=_fetcher({4: b"known"}),
         lease=pb.Lease(site="site-a", token=7),
         bulk=coordinator,
         transfer_timeout_s=5.0,
@@ -179,7 +189,7 @@ def test_theta_is_assembled_from_the_parts_the_same_in_memory_and_in_a_file(tmp_
     routes = ShardRoutes.__new__(ShardRoutes)  # the streams of a site with one shard beside
     routes.client = SimpleNamespace(
         site="site-a",
-        theta=SimpleNamespace(shard_passes={3: b"pass-3"}),
+        theta=_fetcher({3: b"pass-3"}),
         rpc_timeout_s=5.0,
         transfer_timeout_s=5.0,
         bytes_received=0,

@@ -99,10 +99,19 @@ def compose(records: Iterable[tuple[str, str, tuple[int, ...], bytes]]) -> bytes
     return h.digest()
 
 
+def tensor_records(
+    tensors: Mapping[str, torch.Tensor],
+) -> list[tuple[str, str, tuple[int, ...], bytes]]:
+    """``(name, dtype, shape, digest)`` of each tensor, in name order: what ``compose`` takes."""
+    digests = tensor_digests(tensors)
+    return [
+        (n, dtype_name(t.dtype), tuple(t.shape), digests[n]) for n, t in sorted(tensors.items())
+    ]
+
+
 def state_digest(tensors: Mapping[str, torch.Tensor]) -> bytes:
     """The state digest of ``tensors`` (see the module docstring)."""
-    digests = tensor_digests(tensors)
-    return compose((n, dtype_name(t.dtype), tuple(t.shape), digests[n]) for n, t in tensors.items())
+    return compose(tensor_records(tensors))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

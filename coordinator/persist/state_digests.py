@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
-from wire.digest import compose, state_digest, tensor_digests
+from wire.digest import compose, state_digest, tensor_records
 from wire.safetensors_io import file_tensor_records
 from wire.tensors import dtype_name
 
@@ -48,9 +48,7 @@ def file_theta_digest(path, meta: Mapping) -> bytes:
 
 def _theta_digest_of(tensors: Mapping[str, torch.Tensor], meta: Mapping) -> bytes:
     """theta's digest from these tensors, with the other shards' as ``meta`` records them."""
-    digests = tensor_digests(tensors)
-    own = [(n, dtype_name(t.dtype), tuple(t.shape), digests[n]) for n, t in tensors.items()]
-    return compose([*own, *_other_shards(meta)])
+    return compose([*tensor_records(tensors), *_other_shards(meta)])
 
 
 def legacy(meta: Mapping) -> bool:

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from coordinator.persist.local_store import fsync_dir
-from wire.digest import dtype_name, tensor_digests
+from wire.digest import tensor_records
 from wire.safetensors_io import write_tensors
 
 THETA, STRATEGY, CLOSE = "theta.safetensors", "strategy.safetensors", "close.json"
@@ -85,11 +85,7 @@ class StoredPart:
 
 def records_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorRecord]:
     """Each tensor's record, in name order (its digest taken as ``wire.digest`` takes it)."""
-    digests = tensor_digests(tensors)
-    return [
-        TensorRecord(n, dtype_name(t.dtype), tuple(t.shape), digests[n])
-        for n, t in sorted(tensors.items())
-    ]
+    return [TensorRecord(*r) for r in tensor_records(tensors)]
 
 
 class PartStore:

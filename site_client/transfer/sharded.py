@@ -252,7 +252,7 @@ class ShardRoutes:
             return first_header(c, request, drain=True).header.shard_pass
 
         got = c.call("fetch the shards' pass", ask)
-        c.theta.shard_passes[version] = got
+        c.theta.note_pass(version, got)
         return got
 
     def close(self) -> None:

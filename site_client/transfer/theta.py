@@ -229,9 +229,9 @@ class ThetaFetcher:
         finally:
             progress.finish(complete)
 
-    def note_pass(self, header: pb.FetchHeader) -> None:
-        """Keep the lead's shard pass of ``header``'s version (the four newest)."""
-        self.shard_passes[header.version] = bytes(header.shard_pass)
+    def note_pass(self, version: int, shard_pass: bytes) -> None:
+        """Keep the lead's shard pass of ``version`` (the four newest)."""
+        self.shard_passes[version] = bytes(shard_pass)
         for old in sorted(self.shard_passes)[:-4]:
             del self.shard_passes[old]
 
@@ -254,7 +254,7 @@ class ThetaFetcher:
         first = c.call("fetch", ask)
         header = first.header
         if header.shard_pass:
-            self.note_pass(header)
+            self.note_pass(header.version, header.shard_pass)
         manifest = Manifest.from_proto(header.manifest)
         delta = header.HasField("from_version")
         if delta and not manifest.digest:
