@@ -127,5 +127,6 @@ def test_the_site_checkpoint_bench_writes_both_ways_and_ends_on_its_figures(
         "new_files_cpu_s",
         "new_files_over_spare_cpu",
     }
-    assert all(float(v) > 0 for v in figures.values())
+    # Figures, not timings to judge: a 1 MB write's CPU can print as 0.000.
+    assert all(float(v) >= 0 for v in figures.values())
     assert list(tmp_path.iterdir()) == []  # its folders are gone
